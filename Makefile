@@ -1,0 +1,45 @@
+# The commands people type. Every target is idempotent; downloads and tools are cached
+# under ${XDG_CACHE_HOME:-~/.cache}/ferrite so fresh clones on the same machine reuse them.
+SHELL := /bin/bash
+.SHELLFLAGS := -euo pipefail -c
+CARGO ?= cargo
+MODEL := models/SmolLM2-135M-Instruct.Q4_1.gguf
+export FERRITE_TEST_MODEL := $(CURDIR)/$(MODEL)
+
+.PHONY: all model pyenv build test fmt fmt-check lint bench clean
+
+all: build
+
+## model: fetch the default model (SmolLM2-135M-Instruct Q4_1) into models/
+model: $(MODEL)
+$(MODEL): scripts/fetch-model.sh
+	scripts/fetch-model.sh models
+
+## pyenv: the Python environment the tests use (numpy reference model)
+pyenv:
+	@scripts/python-env.sh >/dev/null
+
+build:
+	$(CARGO) build --release
+
+## test: the whole suite (fetches the model and test tools first)
+test: model pyenv
+	FERRITE_PYTHON="$$(scripts/python-env.sh)" $(CARGO) test --workspace --all-targets
+	$(CARGO) test --workspace --doc
+
+fmt:
+	$(CARGO) fmt --all
+
+fmt-check:
+	$(CARGO) fmt --all -- --check
+
+## lint: formatting and clippy with warnings as errors
+lint: fmt-check
+	$(CARGO) clippy --workspace --all-targets -- -D warnings
+
+## bench: prompt processing, single-stream decode, memory-bandwidth bound
+bench: model
+	$(CARGO) run --release --bin ferrite-engine -- bench --model $(MODEL)
+
+clean:
+	$(CARGO) clean

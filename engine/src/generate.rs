@@ -1,0 +1,93 @@
+//! Single-request generation: prefill the prompt, then decode token by token.
+
+use std::time::Instant;
+
+use crate::error::{Error, Result};
+use crate::model::llama::{Batch, KvDtype, SeqSlice};
+use crate::model::LoadedModel;
+use crate::sampling::SamplingParams;
+use crate::sequence::{FinishReason, SequenceState, TokenOutput};
+
+/// The result of one generation, with its timing.
+#[derive(Debug, Clone)]
+pub struct Generation {
+    /// Number of prompt tokens.
+    pub prompt_tokens: usize,
+    /// Generated tokens with their log-probabilities.
+    pub tokens: Vec<TokenOutput>,
+    /// The generated text (stop strings removed).
+    pub text: String,
+    /// Why generation ended.
+    pub finish_reason: FinishReason,
+    /// Seconds spent on the prompt (time to first token).
+    pub prompt_seconds: f64,
+    /// Seconds spent on every token after the first.
+    pub decode_seconds: f64,
+}
+
+/// Generates after `prompt`, calling `on_text` with each piece of text as it is produced.
+pub fn generate(
+    loaded: &LoadedModel,
+    prompt: &[u32],
+    params: SamplingParams,
+    mut on_text: impl FnMut(&str),
+) -> Result<Generation> {
+    params.validate()?;
+    let model = &loaded.model;
+    let ctx = model.config().max_position_embeddings;
+    if prompt.is_empty() {
+        return Err(Error::InvalidParameter(
+            "the prompt must contain at least one token".into(),
+        ));
+    }
+    if prompt.len() + params.max_tokens > ctx {
+        return Err(Error::InvalidParameter(format!(
+            "the prompt has {} tokens and `max_tokens` is {}, together more than the model's \
+             context length of {ctx} tokens",
+            prompt.len(),
+            params.max_tokens
+        )));
+    }
+    let mut cache = model.new_cache(1, KvDtype::Auto);
+    let mut seq = SequenceState::new(prompt, params, loaded.tokenizer.stop_token_ids());
+    let mut tokens = Vec::new();
+    let mut text = String::new();
+    let start = Instant::now();
+    let mut first_token_at = None;
+    let mut input: Vec<u32> = prompt.to_vec();
+    let mut pos = 0;
+    loop {
+        let positions: Vec<usize> = (pos..pos + input.len()).collect();
+        let seqs = [SeqSlice {
+            start: 0,
+            len: input.len(),
+            cache_slot: 0,
+        }];
+        let batch = Batch {
+            tokens: &input,
+            positions: &positions,
+            seqs: &seqs,
+        };
+        let logits = model.forward(&batch, cache.as_mut())?;
+        let mut row = logits.squeeze(0)?.to_vec1::<f32>()?;
+        pos += input.len();
+        let step = seq.step(&mut row, &loaded.tokenizer)?;
+        first_token_at.get_or_insert_with(Instant::now);
+        on_text(&step.text);
+        text.push_str(&step.text);
+        input = vec![step.token.id];
+        tokens.push(step.token);
+        if let Some(reason) = step.finished {
+            let end = Instant::now();
+            let first = first_token_at.unwrap_or(end);
+            return Ok(Generation {
+                prompt_tokens: prompt.len(),
+                tokens,
+                text,
+                finish_reason: reason,
+                prompt_seconds: (first - start).as_secs_f64(),
+                decode_seconds: (end - first).as_secs_f64(),
+            });
+        }
+    }
+}

@@ -1,0 +1,14 @@
+//! Ferrite's inference engine: Llama-family models from GGUF or Hugging Face checkpoints,
+//! tokenizers and chat templates, sampling, and the `ferrite-engine` command line.
+
+pub mod bench;
+pub mod cli;
+pub mod error;
+pub mod generate;
+pub mod kernels;
+pub mod model;
+pub mod sampling;
+pub mod sequence;
+pub mod tokenizer;
+
+pub use error::{Error, Result};

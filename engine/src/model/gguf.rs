@@ -1,0 +1,145 @@
+//! GGUF files (llama.cpp's format): header, metadata and quantized tensors, checked up front.
+
+use std::fs::File;
+use std::io::BufReader;
+use std::path::{Path, PathBuf};
+
+use candle_core::quantized::{gguf_file, GgmlDType, QMatMul, QTensor};
+use candle_core::{DType, Device, Tensor};
+
+use super::weights::{Matmul, WeightName, WeightSource};
+use crate::error::{Error, Result};
+use crate::kernels::quant::{QuantMatrix, WeightFormat};
+
+/// Tensor types the loader accepts, as named in error messages.
+pub const SUPPORTED_TYPES: &str =
+    "F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K";
+
+/// An opened GGUF file whose header parsed and whose tensors all lie inside the file.
+pub struct GgufFile {
+    /// Metadata and tensor directory.
+    pub content: gguf_file::Content,
+    reader: BufReader<File>,
+    path: PathBuf,
+    device: Device,
+}
+
+impl std::fmt::Debug for GgufFile {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("GgufFile")
+            .field("path", &self.path)
+            .finish_non_exhaustive()
+    }
+}
+
+impl GgufFile {
+    /// Opens `path`, parses the header and checks that no tensor runs past the end of the file.
+    pub fn open(path: &Path, device: &Device) -> Result<Self> {
+        let file = File::open(path).map_err(|e| Error::model(path, format!("cannot open: {e}")))?;
+        let file_len = file.metadata().map(|m| m.len()).unwrap_or(0);
+        let mut reader = BufReader::new(file);
+        let content = gguf_file::Content::read(&mut reader).map_err(|e| {
+            Error::model(
+                path,
+                format!("not a readable GGUF file ({e}); expected GGUF v2/v3 with tensor types {SUPPORTED_TYPES}"),
+            )
+        })?;
+        for (name, info) in &content.tensor_infos {
+            let elems = info.shape.elem_count();
+            let bytes = (elems / info.ggml_dtype.block_size() * info.ggml_dtype.type_size()) as u64;
+            let end = content.tensor_data_offset + info.offset + bytes;
+            if end > file_len {
+                return Err(Error::model(
+                    path,
+                    format!(
+                        "file is truncated: tensor `{name}` needs bytes up to {end} but the file has {file_len}"
+                    ),
+                ));
+            }
+            if matches!(info.ggml_dtype, GgmlDType::Q8_1 | GgmlDType::Q8K) {
+                return Err(Error::model(
+                    path,
+                    format!(
+                        "tensor `{name}` has type {:?}, which is only an activation format; supported: {SUPPORTED_TYPES}",
+                        info.ggml_dtype
+                    ),
+                ));
+            }
+        }
+        Ok(GgufFile {
+            content,
+            reader,
+            path: path.to_path_buf(),
+            device: device.clone(),
+        })
+    }
+
+    /// The file this was opened from.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    fn qtensor(&mut self, name: WeightName, dims: &[usize]) -> Result<QTensor> {
+        let key = name.gguf();
+        if !self.content.tensor_infos.contains_key(&key) {
+            return Err(Error::model(&self.path, format!("missing tensor `{key}`")));
+        }
+        let t = self
+            .content
+            .tensor(&mut self.reader, &key, &self.device)
+            .map_err(|e| Error::model(&self.path, format!("tensor `{key}`: {e}")))?;
+        if t.shape().dims() != dims {
+            return Err(Error::model(
+                &self.path,
+                format!(
+                    "tensor `{key}` has shape {:?}, expected {dims:?}",
+                    t.shape().dims()
+                ),
+            ));
+        }
+        Ok(t)
+    }
+}
+
+impl WeightSource for GgufFile {
+    fn device(&self) -> &Device {
+        &self.device
+    }
+
+    fn is_f32(&self) -> bool {
+        self.content
+            .tensor_infos
+            .values()
+            .all(|t| t.ggml_dtype == GgmlDType::F32)
+    }
+
+    fn matmul(&mut self, name: WeightName, (r, c): (usize, usize)) -> Result<Matmul> {
+        let t = self.qtensor(name, &[r, c])?;
+        let format = match t.dtype() {
+            GgmlDType::Q4_0 => Some(WeightFormat::Q4_0),
+            GgmlDType::Q4_1 => Some(WeightFormat::Q4_1),
+            GgmlDType::Q8_0 => Some(WeightFormat::Q8_0),
+            _ => None,
+        };
+        if let Some(format) = format {
+            if let Some(m) = QuantMatrix::from_gguf(format, r, c, &t.data()?) {
+                return Ok(Matmul::Quant(m));
+            }
+        }
+        Ok(Matmul::Candle(QMatMul::from_qtensor(t)?))
+    }
+
+    fn vector(&mut self, name: WeightName, len: usize) -> Result<Tensor> {
+        Ok(self
+            .qtensor(name, &[len])?
+            .dequantize(&self.device)?
+            .to_dtype(DType::F32)?)
+    }
+
+    fn embedding(&mut self, name: WeightName, (r, c): (usize, usize)) -> Result<Tensor> {
+        Ok(self
+            .qtensor(name, &[r, c])?
+            .dequantize(&self.device)?
+            .to_dtype(DType::F32)?)
+    }
+}

@@ -1,0 +1,472 @@
+//! The Llama-family transformer (Llama, Mistral, SmolLM2, Qwen2): weights, `load`, `forward`.
+//!
+//! The forward pass takes one flattened batch of tokens from any number of sequences
+//! (`[total_tokens, hidden]`, no padding); matmuls see every token at once and attention
+//! runs per sequence through a [`KvCache`], which owns where K/V live between steps.
+
+use candle_core::{DType, Device, Tensor};
+
+use half::f16;
+
+use super::config::{Architecture, ModelConfig, RopeStyle};
+use super::weights::{Matmul, WeightName, WeightSource};
+use crate::error::{Error, Result};
+use crate::kernels::attention::{paged_attention, HeadShape, KvBlocks, KvElement};
+
+/// One sequence's share of a flattened batch.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SeqSlice {
+    /// Index of the sequence's first token in the batch.
+    pub start: usize,
+    /// Number of tokens the sequence contributes this step.
+    pub len: usize,
+    /// The cache's handle for this sequence.
+    pub cache_slot: usize,
+}
+
+/// A step's input: tokens of many sequences with their absolute positions.
+#[derive(Debug, Clone, Copy)]
+pub struct Batch<'a> {
+    /// Token ids of all scheduled tokens, sequence after sequence.
+    pub tokens: &'a [u32],
+    /// Each token's position within its own sequence.
+    pub positions: &'a [usize],
+    /// Which tokens belong to which sequence.
+    pub seqs: &'a [SeqSlice],
+}
+
+/// Storage for keys and values between steps, and the attention that reads them.
+pub trait KvCache {
+    /// Stores `k`/`v` (`[len, kv_heads, head_dim]`) of `seq`'s new tokens in `layer`, then
+    /// returns causal attention of `q` (`[len, heads, head_dim]`) over all of the
+    /// sequence's keys so far, as `[len, heads * head_dim]`.
+    fn attend(
+        &mut self,
+        layer: usize,
+        seq: &SeqSlice,
+        positions: &[usize],
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+    ) -> Result<Tensor>;
+}
+
+/// A projection, optionally with a bias (Qwen2's Q/K/V).
+#[derive(Debug, Clone)]
+struct Linear {
+    weight: Matmul,
+    bias: Option<Tensor>,
+}
+
+impl Linear {
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        let y = self.weight.forward(x)?;
+        Ok(match &self.bias {
+            Some(b) => y.broadcast_add(b)?,
+            None => y,
+        })
+    }
+}
+
+#[derive(Debug, Clone)]
+struct Block {
+    attn_norm: Tensor,
+    q: Linear,
+    k: Linear,
+    v: Linear,
+    o: Linear,
+    ffn_norm: Tensor,
+    gate: Linear,
+    up: Linear,
+    down: Linear,
+}
+
+/// A loaded Llama-family model, ready to run forward passes on its device.
+#[derive(Debug, Clone)]
+pub struct Llama {
+    config: ModelConfig,
+    embed: Tensor,
+    blocks: Vec<Block>,
+    norm: Tensor,
+    lm_head: Linear,
+    cos_sin: Vec<Vec<(f32, f32)>>,
+    device: Device,
+    weight_bytes: usize,
+    kv_f16: bool,
+}
+
+impl Llama {
+    /// Builds the model from named weights, checking each shape against `config`.
+    pub fn load(config: ModelConfig, src: &mut dyn WeightSource) -> Result<Self> {
+        let c = &config;
+        let (h, hd) = (c.hidden_size, c.head_dim);
+        let mut bytes = 0usize;
+        let mut linear = |src: &mut dyn WeightSource, name: WeightName, out: usize, inp: usize| {
+            let weight = src.matmul(name, (out, inp))?;
+            bytes += weight.bytes();
+            let bias = match (c.architecture, name) {
+                (Architecture::Qwen2, WeightName::Q(l)) => {
+                    Some(src.vector(WeightName::QBias(l), out)?)
+                }
+                (Architecture::Qwen2, WeightName::K(l)) => {
+                    Some(src.vector(WeightName::KBias(l), out)?)
+                }
+                (Architecture::Qwen2, WeightName::V(l)) => {
+                    Some(src.vector(WeightName::VBias(l), out)?)
+                }
+                _ => None,
+            };
+            Ok::<_, Error>(Linear { weight, bias })
+        };
+        let mut blocks = Vec::with_capacity(c.num_layers);
+        for l in 0..c.num_layers {
+            blocks.push(Block {
+                attn_norm: src.vector(WeightName::AttnNorm(l), h)?,
+                q: linear(src, WeightName::Q(l), c.num_heads * hd, h)?,
+                k: linear(src, WeightName::K(l), c.num_kv_heads * hd, h)?,
+                v: linear(src, WeightName::V(l), c.num_kv_heads * hd, h)?,
+                o: linear(src, WeightName::O(l), h, c.num_heads * hd)?,
+                ffn_norm: src.vector(WeightName::FfnNorm(l), h)?,
+                gate: linear(src, WeightName::Gate(l), c.intermediate_size, h)?,
+                up: linear(src, WeightName::Up(l), c.intermediate_size, h)?,
+                down: linear(src, WeightName::Down(l), h, c.intermediate_size)?,
+            });
+        }
+        let embed = src.embedding(WeightName::Embed, (c.vocab_size, h))?;
+        let head_name = if c.tie_word_embeddings {
+            WeightName::Embed
+        } else {
+            WeightName::Output
+        };
+        let lm_head = Linear {
+            weight: src.matmul(head_name, (c.vocab_size, h))?,
+            bias: None,
+        };
+        bytes += lm_head.weight.bytes();
+        let norm = src.vector(WeightName::Norm, h)?;
+        let device = src.device().clone();
+        let kv_f16 = !src.is_f32();
+        let cos_sin = rope_tables(c);
+        Ok(Llama {
+            config,
+            embed,
+            blocks,
+            norm,
+            lm_head,
+            cos_sin,
+            device,
+            weight_bytes: bytes,
+            kv_f16,
+        })
+    }
+
+    /// The hyper-parameters this model was built with.
+    pub fn config(&self) -> &ModelConfig {
+        &self.config
+    }
+
+    /// The device the weights live on.
+    pub fn device(&self) -> &Device {
+        &self.device
+    }
+
+    /// Bytes of matmul weights read for every decoded token (the decode memory traffic).
+    pub fn weight_bytes_per_token(&self) -> usize {
+        self.weight_bytes
+    }
+
+    /// Rotary embedding of a projection (`[tokens, heads * head_dim]`) at each token's
+    /// position, returned as `[tokens, heads, head_dim]`, with ggml's rounding so GGUF models
+    /// reproduce llama.cpp.
+    fn rope(&self, x: &Tensor, positions: &[usize], heads: usize) -> Result<Tensor> {
+        let d = self.config.head_dim;
+        let mut data = to_f32_vec(x)?;
+        for (token, &p) in data.chunks_exact_mut(heads * d).zip(positions) {
+            let table = &self.cos_sin[p];
+            for head in token.chunks_exact_mut(d) {
+                for (i, &(c, s)) in table.iter().enumerate() {
+                    let (a, b) = match self.config.rope_style {
+                        RopeStyle::Interleaved => (2 * i, 2 * i + 1),
+                        RopeStyle::Halves => (i, i + d / 2),
+                    };
+                    let (x0, x1) = (head[a], head[b]);
+                    // ggml's `x0*cos - x1*sin` as GCC compiles it: the first product fused.
+                    head[a] = x0.mul_add(c, -(x1 * s));
+                    head[b] = x0.mul_add(s, x1 * c);
+                }
+            }
+        }
+        Ok(Tensor::from_vec(
+            data,
+            (positions.len(), heads, d),
+            x.device(),
+        )?)
+    }
+
+    /// A contiguous KV cache for `slots` sequences in the element type `dtype` resolves to.
+    pub fn new_cache(&self, slots: usize, dtype: KvDtype) -> Box<dyn KvCache + Send> {
+        let layers = self.config.num_layers;
+        match (dtype, self.kv_f16) {
+            (KvDtype::F16, _) | (KvDtype::Auto, true) => {
+                Box::new(ContiguousCache::<f16>::new(slots, layers))
+            }
+            (KvDtype::F32, _) | (KvDtype::Auto, false) => {
+                Box::new(ContiguousCache::<f32>::new(slots, layers))
+            }
+        }
+    }
+
+    /// Runs the batch and returns logits (`[batch.seqs.len(), vocab]`) for the last token
+    /// of each sequence.
+    pub fn forward(&self, batch: &Batch<'_>, cache: &mut dyn KvCache) -> Result<Tensor> {
+        let last: Vec<u32> = batch
+            .seqs
+            .iter()
+            .map(|s| (s.start + s.len - 1) as u32)
+            .collect();
+        self.forward_rows(batch, cache, &last)
+    }
+
+    /// Runs the batch and returns logits (`[total_tokens, vocab]`) for every token.
+    pub fn forward_all(&self, batch: &Batch<'_>, cache: &mut dyn KvCache) -> Result<Tensor> {
+        let all: Vec<u32> = (0..batch.tokens.len() as u32).collect();
+        self.forward_rows(batch, cache, &all)
+    }
+
+    fn forward_rows(
+        &self,
+        batch: &Batch<'_>,
+        cache: &mut dyn KvCache,
+        rows: &[u32],
+    ) -> Result<Tensor> {
+        let c = &self.config;
+        let n = batch.tokens.len();
+        check_batch(batch, c.max_position_embeddings)?;
+        let ids = Tensor::from_slice(batch.tokens, n, &self.device)?;
+        let mut x = self.embed.index_select(&ids, 0)?;
+        for (layer, b) in self.blocks.iter().enumerate() {
+            let y = rms_norm(&x, &b.attn_norm, c.rms_norm_eps as f32)?;
+            let q = self.rope(&b.q.forward(&y)?, batch.positions, c.num_heads)?;
+            let k = self.rope(&b.k.forward(&y)?, batch.positions, c.num_kv_heads)?;
+            let v = b.v.forward(&y)?.reshape((n, c.num_kv_heads, c.head_dim))?;
+            let mut outs = Vec::with_capacity(batch.seqs.len());
+            for s in batch.seqs {
+                let positions = &batch.positions[s.start..s.start + s.len];
+                outs.push(cache.attend(
+                    layer,
+                    s,
+                    positions,
+                    &q.narrow(0, s.start, s.len)?,
+                    &k.narrow(0, s.start, s.len)?,
+                    &v.narrow(0, s.start, s.len)?,
+                )?);
+            }
+            let attn = if outs.len() == 1 {
+                outs.remove(0)
+            } else {
+                Tensor::cat(&outs, 0)?
+            };
+            x = (x + b.o.forward(&attn)?)?;
+            let y = rms_norm(&x, &b.ffn_norm, c.rms_norm_eps as f32)?;
+            let mut act = to_f32_vec(&b.gate.forward(&y)?)?;
+            crate::kernels::activation::swiglu(&mut act, &to_f32_vec(&b.up.forward(&y)?)?);
+            let act = Tensor::from_vec(act, (n, c.intermediate_size), &self.device)?;
+            x = (x + b.down.forward(&act)?)?;
+        }
+        let x = if rows.len() == n {
+            x
+        } else {
+            x.index_select(&Tensor::from_slice(rows, rows.len(), &self.device)?, 0)?
+        };
+        let x = rms_norm(&x, &self.norm, c.rms_norm_eps as f32)?;
+        Ok(self.lm_head.forward(&x)?.to_dtype(DType::F32)?)
+    }
+}
+
+/// RMSNorm with ggml's arithmetic: squares in f32 summed in f64, `1 / sqrt(mean + eps)` in
+/// f32, the row scaled, then multiplied by the weight (activation quantization downstream
+/// sees bit-identical inputs, so GGUF models reproduce llama.cpp).
+fn rms_norm(x: &Tensor, weight: &Tensor, eps: f32) -> Result<Tensor> {
+    let (rows, h) = x.dims2()?;
+    let w = weight.to_vec1::<f32>()?;
+    let mut data = to_f32_vec(x)?;
+    for row in data.chunks_exact_mut(h) {
+        let sum: f64 = row.iter().map(|&v| f64::from(v * v)).sum();
+        let mean = (sum / h as f64) as f32;
+        let scale = 1.0 / (mean + eps).sqrt();
+        for (v, &g) in row.iter_mut().zip(&w) {
+            *v = (*v * scale) * g;
+        }
+    }
+    Ok(Tensor::from_vec(data, (rows, h), x.device())?)
+}
+
+fn check_batch(batch: &Batch<'_>, max_pos: usize) -> Result<()> {
+    let n = batch.tokens.len();
+    if n == 0 || batch.positions.len() != n {
+        return Err(Error::InvalidParameter(format!(
+            "a batch needs one position per token and at least one token, got {n} tokens and {} positions",
+            batch.positions.len()
+        )));
+    }
+    if let Some(&p) = batch.positions.iter().find(|&&p| p >= max_pos) {
+        return Err(Error::InvalidParameter(format!(
+            "position {p} is beyond the model's context length of {max_pos} tokens"
+        )));
+    }
+    let mut next = 0;
+    for s in batch.seqs {
+        if s.start != next || s.len == 0 {
+            return Err(Error::InvalidParameter(
+                "batch sequences must be non-empty and cover the tokens in order".into(),
+            ));
+        }
+        next = s.start + s.len;
+    }
+    if next != n {
+        return Err(Error::InvalidParameter(format!(
+            "batch sequences cover {next} of {n} tokens"
+        )));
+    }
+    Ok(())
+}
+
+/// (cos, sin) of every position's rotary angles, `[max_position][head_dim / 2]`, computed as
+/// ggml does (angles stepped in f32 by repeated multiplication) so GGUF models match llama.cpp.
+fn rope_tables(c: &ModelConfig) -> Vec<Vec<(f32, f32)>> {
+    let step = (c.rope_theta as f32).powf(-2.0 / c.head_dim as f32);
+    (0..c.max_position_embeddings)
+        .map(|p| {
+            let mut theta = p as f32;
+            (0..c.head_dim / 2)
+                .map(|_| {
+                    let cs = (theta.cos(), theta.sin());
+                    theta *= step;
+                    cs
+                })
+                .collect()
+        })
+        .collect()
+}
+
+/// Element type of the KV cache; `Auto` follows the checkpoint like vLLM's `auto`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum KvDtype {
+    /// f32 for f32 checkpoints, f16 for everything else (llama.cpp's default for GGUF).
+    #[default]
+    Auto,
+    /// Half precision: half the memory, llama.cpp's numerics.
+    F16,
+    /// Single precision.
+    F32,
+}
+
+/// A per-sequence contiguous cache: each slot's K/V rows grow in one buffer per layer.
+///
+/// Exact and simple; the paged block cache replaces it for serving.
+#[derive(Debug, Default)]
+pub struct ContiguousCache<T> {
+    slots: Vec<Vec<(Vec<T>, Vec<T>)>>,
+    len: Vec<usize>,
+}
+
+impl<T: KvElement> ContiguousCache<T> {
+    /// A cache with `slots` empty sequences for a model of `layers` layers.
+    pub fn new(slots: usize, layers: usize) -> Self {
+        ContiguousCache {
+            slots: (0..slots)
+                .map(|_| vec![(Vec::new(), Vec::new()); layers])
+                .collect(),
+            len: vec![0; slots],
+        }
+    }
+}
+
+/// A tensor's values as f32, row-major.
+pub(crate) fn to_f32_vec(t: &Tensor) -> Result<Vec<f32>> {
+    Ok(t.flatten_all()?.to_dtype(DType::F32)?.to_vec1::<f32>()?)
+}
+
+impl<T: KvElement> KvCache for ContiguousCache<T> {
+    fn attend(
+        &mut self,
+        layer: usize,
+        seq: &SeqSlice,
+        positions: &[usize],
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+    ) -> Result<Tensor> {
+        let (len, heads, head_dim) = q.dims3()?;
+        let (_, kv_heads, _) = k.dims3()?;
+        let slot = seq.cache_slot;
+        let (ck, cv) = self
+            .slots
+            .get_mut(slot)
+            .and_then(|s| s.get_mut(layer))
+            .ok_or_else(|| Error::InvalidParameter(format!("no cache slot {slot}")))?;
+        let cached = ck.len() / (kv_heads * head_dim);
+        if positions.first() != Some(&cached) {
+            return Err(Error::InvalidParameter(format!(
+                "contiguous cache holds {cached} tokens but the step starts at position {:?}",
+                positions.first()
+            )));
+        }
+        ck.extend(to_f32_vec(k)?.into_iter().map(T::from_f32));
+        cv.extend(to_f32_vec(v)?.into_iter().map(T::from_f32));
+        let total = cached + len;
+        if layer == 0 {
+            self.len[slot] = total;
+        }
+        let (kb, vb): ([&[T]; 1], [&[T]; 1]) = ([ck.as_slice()], [cv.as_slice()]);
+        let mut out = vec![0f32; len * heads * head_dim];
+        paged_attention(
+            &to_f32_vec(q)?,
+            positions,
+            KvBlocks {
+                blocks: &kb,
+                block_size: total,
+            },
+            KvBlocks {
+                blocks: &vb,
+                block_size: total,
+            },
+            HeadShape {
+                heads,
+                kv_heads,
+                head_dim,
+            },
+            &mut out,
+        );
+        Ok(Tensor::from_vec(out, (len, heads * head_dim), q.device())?)
+    }
+}
+
+/// Log-probabilities over the vocabulary for one row of logits.
+pub fn log_softmax(logits: &[f32]) -> Vec<f32> {
+    let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    let sum: f64 = logits.iter().map(|&l| f64::from(l - max).exp()).sum();
+    let lse = max as f64 + sum.ln();
+    logits
+        .iter()
+        .map(|&l| (f64::from(l) - lse) as f32)
+        .collect()
+}
+
+/// Rows of a `[rows, vocab]` logits tensor as vectors.
+pub fn logits_rows(logits: &Tensor) -> Result<Vec<Vec<f32>>> {
+    Ok(logits.to_dtype(DType::F32)?.to_vec2::<f32>()?)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn log_softmax_normalises() {
+        let lp = log_softmax(&[1.0, 2.0, 3.0]);
+        let total: f32 = lp.iter().map(|x| x.exp()).sum();
+        assert!((total - 1.0).abs() < 1e-6);
+        assert!(lp[2] > lp[1] && lp[1] > lp[0]);
+    }
+}

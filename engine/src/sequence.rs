@@ -1,0 +1,192 @@
+//! One sequence's generation state: sampling, incremental text, stop tokens and stop strings.
+
+use crate::error::Result;
+use crate::model::llama::log_softmax;
+use crate::sampling::{top_logprobs, Sampler, SamplingParams};
+use crate::tokenizer::{IncrementalDecoder, Tokenizer};
+
+/// Why a sequence ended, with OpenAI's names.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FinishReason {
+    /// An end token or stop string was produced.
+    Stop,
+    /// `max_tokens` (or the context length) was reached.
+    Length,
+    /// The client went away or the request was cancelled.
+    Abort,
+}
+
+impl FinishReason {
+    /// The `finish_reason` string of the OpenAI API.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            FinishReason::Stop => "stop",
+            FinishReason::Length => "length",
+            FinishReason::Abort => "abort",
+        }
+    }
+}
+
+/// A generated token with its log-probability and the most likely alternatives.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TokenOutput {
+    /// The chosen token id.
+    pub id: u32,
+    /// Its log-probability under the model (before penalties and temperature).
+    pub logprob: f32,
+    /// The `logprobs` most likely tokens at this step, best first.
+    pub top: Vec<(u32, f32)>,
+}
+
+/// What one sampling step produced.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Step {
+    /// The sampled token.
+    pub token: TokenOutput,
+    /// New text that may be shown to the user (stop-string prefixes are held back).
+    pub text: String,
+    /// Set when this step ended the sequence.
+    pub finished: Option<FinishReason>,
+}
+
+/// Sampling and text state of one sequence.
+#[derive(Debug, Clone)]
+pub struct SequenceState {
+    sampler: Sampler,
+    decoder: IncrementalDecoder,
+    end_ids: Vec<u32>,
+    output: Vec<u32>,
+    text: String,
+    emitted: usize,
+    finish: Option<FinishReason>,
+}
+
+impl SequenceState {
+    /// State for generating after `prompt`; `end_ids` are the model's end tokens.
+    pub fn new(prompt: &[u32], params: SamplingParams, end_ids: &[u32]) -> Self {
+        let mut ends: Vec<u32> = if params.ignore_eos {
+            Vec::new()
+        } else {
+            end_ids.to_vec()
+        };
+        ends.extend_from_slice(&params.stop_token_ids);
+        SequenceState {
+            decoder: IncrementalDecoder::new(prompt, true),
+            sampler: Sampler::new(params, prompt),
+            end_ids: ends,
+            output: Vec::new(),
+            text: String::new(),
+            emitted: 0,
+            finish: None,
+        }
+    }
+
+    /// Tokens generated so far.
+    pub fn output(&self) -> &[u32] {
+        &self.output
+    }
+
+    /// The full text generated so far (stop strings removed).
+    pub fn text(&self) -> &str {
+        &self.text
+    }
+
+    /// Why the sequence ended, once it has.
+    pub fn finish_reason(&self) -> Option<FinishReason> {
+        self.finish
+    }
+
+    /// The parameters the sequence was created with.
+    pub fn params(&self) -> &SamplingParams {
+        self.sampler.params()
+    }
+
+    /// Samples the next token from `logits` (modified in place) and advances the text.
+    pub fn step(&mut self, logits: &mut [f32], tokenizer: &Tokenizer) -> Result<Step> {
+        let params = self.sampler.params();
+        let want_top = params.logprobs;
+        let min_tokens = params.min_tokens;
+        let max_tokens = params.max_tokens;
+        let raw = log_softmax(logits);
+        let banned: &[u32] = if self.output.len() < min_tokens {
+            &self.end_ids
+        } else {
+            &[]
+        };
+        self.sampler.apply_penalties(logits, banned);
+        let id = self.sampler.sample(logits);
+        self.sampler.observe(id);
+        self.output.push(id);
+        let token = TokenOutput {
+            id,
+            logprob: raw.get(id as usize).copied().unwrap_or(f32::NEG_INFINITY),
+            top: want_top.map(|k| top_logprobs(&raw, k)).unwrap_or_default(),
+        };
+        if self.end_ids.contains(&id) {
+            self.finish = Some(FinishReason::Stop);
+        } else {
+            let delta = self.decoder.push(tokenizer, id)?;
+            self.text.push_str(&delta);
+            if self.output.len() >= max_tokens {
+                let rest = self.decoder.flush(tokenizer)?;
+                self.text.push_str(&rest);
+            }
+            if let Some(at) = self.find_stop() {
+                self.text.truncate(at);
+                self.finish = Some(FinishReason::Stop);
+            } else if self.output.len() >= max_tokens {
+                self.finish = Some(FinishReason::Length);
+            }
+        }
+        let text = self.take_text();
+        Ok(Step {
+            token,
+            text,
+            finished: self.finish,
+        })
+    }
+
+    /// Ends the sequence early (context full, cancelled) and returns any held-back text.
+    pub fn finish(&mut self, reason: FinishReason) -> String {
+        self.finish = Some(reason);
+        self.take_text()
+    }
+
+    fn find_stop(&self) -> Option<usize> {
+        let stops = &self.sampler.params().stop;
+        let longest = stops.iter().map(String::len).max()?;
+        let mut from = self.emitted.saturating_sub(longest);
+        while !self.text.is_char_boundary(from) {
+            from -= 1;
+        }
+        stops
+            .iter()
+            .filter_map(|s| self.text[from..].find(s.as_str()).map(|i| from + i))
+            .min()
+    }
+
+    /// Text not yet emitted, minus a tail that could still become a stop string.
+    fn take_text(&mut self) -> String {
+        let mut end = self.text.len();
+        if self.finish.is_none() {
+            let tail = &self.text[self.emitted..];
+            let hold = self
+                .sampler
+                .params()
+                .stop
+                .iter()
+                .map(|s| {
+                    (1..s.len().min(tail.len() + 1))
+                        .rev()
+                        .find(|&n| s.is_char_boundary(n) && tail.ends_with(&s[..n]))
+                        .unwrap_or(0)
+                })
+                .max()
+                .unwrap_or(0);
+            end -= hold;
+        }
+        let out = self.text[self.emitted..end].to_string();
+        self.emitted = end;
+        out
+    }
+}

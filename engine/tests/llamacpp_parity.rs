@@ -1,0 +1,123 @@
+//! The default model reproduces llama.cpp's greedy tokens, log-probability margins,
+//! chat rendering and tokenization on the same GGUF.
+
+mod common;
+
+use candle_core::Device;
+use ferrite_engine::generate::generate;
+use ferrite_engine::model::{load, LoadedModel};
+use ferrite_engine::sampling::SamplingParams;
+use ferrite_engine::tokenizer::ChatMessage;
+use serde::Deserialize;
+
+#[derive(Deserialize)]
+struct Case {
+    chat: bool,
+    prompt: Option<String>,
+    messages: Option<Vec<ChatMessage>>,
+    rendered: Option<String>,
+    prompt_ids: Vec<u32>,
+    n: usize,
+    ids: Vec<u32>,
+    top2_margin: Vec<f32>,
+    exact_until: usize,
+}
+
+fn cases() -> Vec<Case> {
+    let text = std::fs::read_to_string(common::fixture("smollm2-llamacpp-greedy.json"))
+        .expect("fixture tests/fixtures/smollm2-llamacpp-greedy.json");
+    serde_json::from_str(&text).expect("fixture parses")
+}
+
+fn model() -> LoadedModel {
+    load(&common::default_model(), &Device::Cpu).expect("default model loads")
+}
+
+fn prompt_text(m: &LoadedModel, case: &Case) -> String {
+    if case.chat {
+        let messages = case.messages.as_ref().expect("chat case has messages");
+        let rendered = m
+            .tokenizer
+            .chat_template()
+            .expect("template")
+            .render(messages, true)
+            .expect("renders");
+        assert_eq!(
+            Some(&rendered),
+            case.rendered.as_ref(),
+            "chat template rendering differs"
+        );
+        rendered
+    } else {
+        case.prompt.clone().expect("completion case has a prompt")
+    }
+}
+
+#[test]
+fn tokenization_matches_llama_cpp() {
+    let m = model();
+    for case in cases() {
+        let text = prompt_text(&m, &case);
+        let ids = m.tokenizer.encode(&text, !case.chat).expect("encodes");
+        assert_eq!(ids, case.prompt_ids, "tokens of {text:?}");
+        assert_eq!(
+            m.tokenizer.decode(&ids, false).expect("decodes"),
+            text,
+            "round trip of {text:?}"
+        );
+    }
+}
+
+#[test]
+fn greedy_decoding_matches_llama_cpp() {
+    let m = model();
+    let mut failures = Vec::new();
+    for case in cases() {
+        let text = prompt_text(&m, &case);
+        let params = SamplingParams {
+            logprobs: Some(2),
+            ..SamplingParams::greedy(case.n)
+        };
+        let g = generate(&m, &case.prompt_ids, params, |_| {}).expect("generates");
+        let ours: Vec<u32> = g.tokens.iter().map(|t| t.id).collect();
+        let k = case.exact_until;
+        let first_diff = (0..k).find(|&i| ours.get(i) != case.ids.get(i));
+        let mut worst = (0.0f32, 0usize);
+        for (step, tok) in g.tokens.iter().take(first_diff.unwrap_or(k)).enumerate() {
+            let margin = tok.top[0].1 - tok.top[1].1;
+            let err = (margin - case.top2_margin[step]).abs();
+            if err > worst.0 {
+                worst = (err, step);
+            }
+        }
+        println!(
+            "{:<50} exact {k:>2}: first difference {:>9}, worst margin error {:.4} at step {}",
+            format!("{:.48?}", text.chars().take(48).collect::<String>()),
+            first_diff
+                .map(|d| d.to_string())
+                .unwrap_or_else(|| "none".into()),
+            worst.0,
+            worst.1
+        );
+        if let Some(d) = first_diff {
+            failures.push(format!(
+                "{text:?}: token {d} is {:?}, llama.cpp {}",
+                ours.get(d),
+                case.ids[d]
+            ));
+        }
+        if worst.0 > 0.05 {
+            failures.push(format!(
+                "{text:?}: top-2 log-probability margin off by {:.4} nats at step {}",
+                worst.0, worst.1
+            ));
+        }
+        if case.ids.len() < case.n && first_diff.is_none() {
+            // llama.cpp stopped at its end token (the last id): so must we, with `stop`.
+            if ours.len() != case.ids.len() || g.finish_reason.as_str() != "stop" {
+                failures.push(format!("{text:?}: does not stop where llama.cpp stops"));
+            }
+        }
+    }
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
+}

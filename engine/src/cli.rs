@@ -157,12 +157,13 @@ fn generate(args: GenerateArgs) -> Result<()> {
     } else {
         loaded.tokenizer.encode(&args.prompt, true)?
     };
-    let mut out = std::io::stdout().lock();
     let io = |e: std::io::Error| Error::InvalidParameter(format!("cannot write to stdout: {e}"));
     let g = crate::generate::generate(&loaded, &prompt, args.sampling.params(), |t| {
+        let mut out = std::io::stdout().lock();
         let _ = out.write_all(t.as_bytes());
         let _ = out.flush();
     })?;
+    let mut out = std::io::stdout().lock();
     writeln!(out).and_then(|()| out.flush()).map_err(io)?;
     let decoded = g.tokens.len().saturating_sub(1);
     eprintln!(

@@ -30,7 +30,7 @@ pub fn generate(
     loaded: &LoadedModel,
     prompt: &[u32],
     params: SamplingParams,
-    mut on_text: impl FnMut(&str),
+    mut on_text: impl FnMut(&str) + Send,
 ) -> Result<Generation> {
     params.validate()?;
     let model = &loaded.model;
@@ -48,6 +48,17 @@ pub fn generate(
             params.max_tokens
         )));
     }
+    // Run on the thread pool's own workers so the caller sleeps instead of competing for a core.
+    rayon::scope(|_| run(loaded, prompt, params, &mut on_text))
+}
+
+fn run(
+    loaded: &LoadedModel,
+    prompt: &[u32],
+    params: SamplingParams,
+    on_text: &mut (impl FnMut(&str) + Send),
+) -> Result<Generation> {
+    let model = &loaded.model;
     let mut cache = model.new_cache(1, KvDtype::Auto);
     let mut seq = SequenceState::new(prompt, params, loaded.tokenizer.stop_token_ids());
     let mut tokens = Vec::new();

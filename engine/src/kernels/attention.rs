@@ -9,6 +9,7 @@
 //! shares the batch, so results are batch-invariant.
 
 use half::f16;
+use half::slice::HalfFloatSliceExt;
 use rayon::prelude::*;
 
 /// A KV cache element type.
@@ -21,6 +22,10 @@ pub trait KvElement: Copy + Default + Send + Sync + std::fmt::Debug + 'static {
     fn round(x: f32) -> f32 {
         Self::from_f32(x).to_f32()
     }
+    /// Widens a row into `dst` (same length).
+    fn widen(src: &[Self], dst: &mut [f32]);
+    /// Rounds every value of `x` to this precision and back, using `scratch` (same length).
+    fn round_slice(x: &mut [f32], scratch: &mut [Self]);
 }
 
 impl KvElement for f32 {
@@ -33,6 +38,10 @@ impl KvElement for f32 {
     fn round(x: f32) -> f32 {
         x
     }
+    fn widen(src: &[Self], dst: &mut [f32]) {
+        dst.copy_from_slice(src);
+    }
+    fn round_slice(_: &mut [f32], _: &mut [Self]) {}
 }
 
 impl KvElement for f16 {
@@ -41,6 +50,13 @@ impl KvElement for f16 {
     }
     fn to_f32(self) -> f32 {
         f16::to_f32(self)
+    }
+    fn widen(src: &[Self], dst: &mut [f32]) {
+        src.convert_to_f32_slice(dst);
+    }
+    fn round_slice(x: &mut [f32], scratch: &mut [Self]) {
+        scratch.convert_from_f32_slice(x);
+        scratch.convert_to_f32_slice(x);
     }
 }
 
@@ -91,7 +107,10 @@ pub fn paged_attention<T: KvElement>(
     let group = heads / kv_heads;
     let width = kv_heads * d;
     let scale = 1.0 / (d as f32).sqrt();
-    out.par_chunks_mut(d).enumerate().for_each(|(row, o)| {
+    // Small steps (a decode over a short context) cost less than waking another thread.
+    let work = positions.iter().map(|p| p + 1).sum::<usize>() * heads * d;
+    let per_task = if work < 1 << 16 { out.len() } else { d };
+    let one = |row: usize, o: &mut [f32]| {
         let (i, h) = (row / heads, row % heads);
         let kvh = h / group;
         let qr: Vec<f32> = q[row * d..(row + 1) * d]
@@ -100,41 +119,49 @@ pub fn paged_attention<T: KvElement>(
             .collect();
         let acc = o;
         acc.iter_mut().for_each(|a| *a = 0.0);
+        let (mut k32, mut v32, mut scratch) = (vec![0f32; d], vec![0f32; d], vec![T::default(); d]);
         let (mut max, mut sum) = (f32::NEG_INFINITY, 0f32);
         for pos in 0..=positions[i] {
-            let k = &keys.row(pos, width)[kvh * d..(kvh + 1) * d];
-            let s = dot(&qr, k) * scale;
+            T::widen(&keys.row(pos, width)[kvh * d..(kvh + 1) * d], &mut k32);
+            let s = dot(&qr, &k32) * scale;
             let (mut ms, mut vs) = (1f32, 1f32);
             if s > max {
                 ms = (max - s).exp();
                 max = s;
-                for a in acc.iter_mut() {
-                    *a = T::round(*a * ms);
-                }
+                acc.iter_mut().for_each(|a| *a *= ms);
+                T::round_slice(acc, &mut scratch);
             } else {
                 vs = (s - max).exp();
             }
-            let v = &values.row(pos, width)[kvh * d..(kvh + 1) * d];
-            for (a, x) in acc.iter_mut().zip(v) {
-                *a = T::round(x.to_f32().mul_add(vs, *a));
+            T::widen(&values.row(pos, width)[kvh * d..(kvh + 1) * d], &mut v32);
+            for (a, &x) in acc.iter_mut().zip(&v32) {
+                *a = x.mul_add(vs, *a);
             }
+            T::round_slice(acc, &mut scratch);
             sum = sum.mul_add(ms, vs);
         }
         let inv = if sum == 0.0 { 0.0 } else { 1.0 / sum };
         acc.iter_mut().for_each(|a| *a *= inv);
-    });
+    };
+    out.par_chunks_mut(per_task)
+        .enumerate()
+        .for_each(|(t, chunk)| {
+            for (j, o) in chunk.chunks_mut(d).enumerate() {
+                one(t * (per_task / d) + j, o);
+            }
+        });
 }
 
 /// q · k as ggml's AVX-512 `ggml_vec_dot_f16` sums it: 64 values at a time in four
 /// 16-lane accumulators, folded (0+2)+(1+3), then the 16 lanes halved down to one; any
 /// remainder is added one product at a time in f64.
-fn dot<T: KvElement>(q: &[f32], k: &[T]) -> f32 {
+fn dot(q: &[f32], k: &[f32]) -> f32 {
     let whole = q.len() / 64 * 64;
     let mut acc = [[0f32; 16]; 4];
     for (cq, ck) in q[..whole].chunks_exact(64).zip(k[..whole].chunks_exact(64)) {
         for (j, lanes) in acc.iter_mut().enumerate() {
             for (l, lane) in lanes.iter_mut().enumerate() {
-                *lane = cq[j * 16 + l].mul_add(ck[j * 16 + l].to_f32(), *lane);
+                *lane = cq[j * 16 + l].mul_add(ck[j * 16 + l], *lane);
             }
         }
     }
@@ -144,7 +171,7 @@ fn dot<T: KvElement>(q: &[f32], k: &[T]) -> f32 {
     }
     let mut sum = f64::from(reduce16(z));
     for (x, y) in q[whole..].iter().zip(&k[whole..]) {
-        sum += f64::from(x * y.to_f32());
+        sum += f64::from(x * y);
     }
     sum as f32
 }

@@ -38,75 +38,33 @@ impl WeightFormat {
     }
 }
 
-/// One weight block, unpacked for the dot product: 32 unsigned or signed 8-bit values.
-#[derive(Debug, Clone, Copy)]
-struct WeightBlock {
-    d: f32,
-    m: f32,
-    q: [i8; BLOCK],
-}
-
-/// A `[rows, cols]` quantized weight matrix, used as `x @ W^T`.
+/// A `[rows, cols]` quantized weight matrix, used as `x @ W^T`, kept in its GGUF encoding.
 #[derive(Debug, Clone)]
 pub struct QuantMatrix {
     format: WeightFormat,
     rows: usize,
     cols: usize,
-    blocks: Vec<WeightBlock>,
-    bytes: usize,
+    data: Vec<u8>,
 }
 
 fn f16_at(b: &[u8], at: usize) -> f32 {
     f16::from_le_bytes([b[at], b[at + 1]]).to_f32()
 }
 
+/// Output rows each parallel task computes (whole weight rows, all activation rows).
+const ROWS_PER_TASK: usize = 16;
+
 impl QuantMatrix {
-    /// Parses GGUF block data of a `[rows, cols]` matrix; `None` if the sizes disagree.
+    /// Wraps GGUF block data of a `[rows, cols]` matrix; `None` if the sizes disagree.
     pub fn from_gguf(format: WeightFormat, rows: usize, cols: usize, data: &[u8]) -> Option<Self> {
         if cols % BLOCK != 0 || data.len() != rows * cols / BLOCK * format.block_bytes() {
             return None;
         }
-        let blocks = data
-            .chunks_exact(format.block_bytes())
-            .map(|b| {
-                let mut q = [0i8; BLOCK];
-                match format {
-                    WeightFormat::Q4_0 | WeightFormat::Q4_1 => {
-                        // Low nibbles hold values 0..16, high nibbles 16..32; Q4_0 is offset by 8.
-                        let (qs, shift) = if format == WeightFormat::Q4_0 {
-                            (&b[2..], 8)
-                        } else {
-                            (&b[4..], 0)
-                        };
-                        for j in 0..BLOCK / 2 {
-                            q[j] = (qs[j] & 0x0F) as i8 - shift;
-                            q[j + BLOCK / 2] = (qs[j] >> 4) as i8 - shift;
-                        }
-                    }
-                    WeightFormat::Q8_0 => {
-                        for (dst, &src) in q.iter_mut().zip(&b[2..]) {
-                            *dst = src as i8;
-                        }
-                    }
-                }
-                let m = if format == WeightFormat::Q4_1 {
-                    f16_at(b, 2)
-                } else {
-                    0.0
-                };
-                WeightBlock {
-                    d: f16_at(b, 0),
-                    m,
-                    q,
-                }
-            })
-            .collect();
         Some(QuantMatrix {
             format,
             rows,
             cols,
-            blocks,
-            bytes: data.len(),
+            data: data.to_vec(),
         })
     }
 
@@ -120,9 +78,9 @@ impl QuantMatrix {
         self.cols
     }
 
-    /// Bytes the weight occupies in its GGUF encoding (what a pass streams from memory).
+    /// Bytes the weight occupies (what one pass streams from memory).
     pub fn gguf_bytes(&self) -> usize {
-        self.bytes
+        self.data.len()
     }
 
     /// `x` (`[m, cols]`, row-major) times the transposed weight: `[m, rows]`.
@@ -133,24 +91,37 @@ impl QuantMatrix {
             .chunks_exact(self.cols)
             .map(|r| quantize_row(r, with_sums))
             .collect();
-        let nb = self.cols / BLOCK;
-        // Column-major scratch so each worker owns whole weight rows.
+        let row_bytes = self.cols / BLOCK * self.format.block_bytes();
+        let (dot, dot4) = (dot_kernel(self.format), dot4_kernel(self.format));
+        // Column-major scratch so each task owns whole weight rows.
         let mut out_t = vec![0f32; self.rows * m];
         out_t
-            .par_chunks_mut(m * 16)
+            .par_chunks_mut(m * ROWS_PER_TASK)
             .enumerate()
-            .for_each(|(chunk, dst)| {
-                for (r, col) in dst.chunks_mut(m).enumerate() {
-                    let row = chunk * 16 + r;
-                    let w = &self.blocks[row * nb..(row + 1) * nb];
-                    for (out, a) in col.iter_mut().zip(&acts) {
-                        *out = match self.format {
-                            WeightFormat::Q4_1 => dot_q4_1(w, a),
-                            WeightFormat::Q4_0 | WeightFormat::Q8_0 => dot_q8(w, a),
-                        };
+            .for_each(|(task, dst)| {
+                let first = task * ROWS_PER_TASK;
+                let row =
+                    |r: usize| &self.data[(first + r) * row_bytes..(first + r + 1) * row_bytes];
+                let n = dst.len() / m;
+                let quads = n / 4 * 4;
+                for r in (0..quads).step_by(4) {
+                    let w = [row(r), row(r + 1), row(r + 2), row(r + 3)];
+                    for (i, a) in acts.iter().enumerate() {
+                        let v = dot4(w, a);
+                        for (j, v) in v.into_iter().enumerate() {
+                            dst[(r + j) * m + i] = v;
+                        }
+                    }
+                }
+                for r in quads..n {
+                    for (i, a) in acts.iter().enumerate() {
+                        dst[r * m + i] = dot(row(r), a);
                     }
                 }
             });
+        if m == 1 {
+            return out_t;
+        }
         let mut out = vec![0f32; m * self.rows];
         for (row, col) in out_t.chunks_exact(m).enumerate() {
             for (i, &v) in col.iter().enumerate() {
@@ -158,6 +129,44 @@ impl QuantMatrix {
             }
         }
         out
+    }
+}
+
+/// Four weight rows against one activation row: four independent accumulator chains, each
+/// with exactly the arithmetic of [`dot_kernel`].
+type Dot4 = fn([&[u8]; 4], &QuantizedRow) -> [f32; 4];
+
+fn dot4_kernel(format: WeightFormat) -> Dot4 {
+    #[cfg(target_arch = "x86_64")]
+    if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma") {
+        return match format {
+            WeightFormat::Q4_1 => x86::dot4_q4_1,
+            WeightFormat::Q4_0 => x86::dot4_q4_0,
+            WeightFormat::Q8_0 => x86::dot4_q8_0,
+        };
+    }
+    match format {
+        WeightFormat::Q4_1 => |w, a| w.map(|w| dot_q4_1(w, a)),
+        WeightFormat::Q4_0 => |w, a| w.map(|w| dot_q4_0(w, a)),
+        WeightFormat::Q8_0 => |w, a| w.map(|w| dot_q8_0(w, a)),
+    }
+}
+
+/// The dot product for `format`: AVX2 where the CPU has it, portable code elsewhere; both
+/// compute the same lanes in the same order, so results do not depend on the machine.
+fn dot_kernel(format: WeightFormat) -> fn(&[u8], &QuantizedRow) -> f32 {
+    #[cfg(target_arch = "x86_64")]
+    if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma") {
+        return match format {
+            WeightFormat::Q4_1 => x86::dot_q4_1,
+            WeightFormat::Q4_0 => x86::dot_q4_0,
+            WeightFormat::Q8_0 => x86::dot_q8_0,
+        };
+    }
+    match format {
+        WeightFormat::Q4_1 => dot_q4_1,
+        WeightFormat::Q4_0 => dot_q4_0,
+        WeightFormat::Q8_0 => dot_q8_0,
     }
 }
 
@@ -210,6 +219,17 @@ fn block_lanes(w: &[i8; BLOCK], a: &[i8]) -> [f32; 8] {
     lanes
 }
 
+/// The 32 values of a 4-bit block: low nibbles are values 0..16, high nibbles 16..32.
+#[inline(always)]
+fn nibbles(qs: &[u8], offset: i8) -> [i8; BLOCK] {
+    let mut q = [0i8; BLOCK];
+    for j in 0..BLOCK / 2 {
+        q[j] = (qs[j] & 0x0F) as i8 - offset;
+        q[j + BLOCK / 2] = (qs[j] >> 4) as i8 - offset;
+    }
+    q
+}
+
 /// ggml's `hsum_float_8`: halves added, then pairs, then the last two.
 #[inline(always)]
 fn hsum8(a: [f32; 8]) -> f32 {
@@ -218,32 +238,233 @@ fn hsum8(a: [f32; 8]) -> f32 {
     r[0] + r[1]
 }
 
+/// Eight lanes accumulated with fused multiply-adds, block after block.
+#[inline(always)]
+fn accumulate(acc: &mut [f32; 8], d: f32, lanes: [f32; 8]) {
+    for (acc, l) in acc.iter_mut().zip(lanes) {
+        *acc = d.mul_add(l, *acc);
+    }
+}
+
 /// `ggml_vec_dot_q4_1_q8_1`: eight fused lanes plus a fused running sum of `m * s`.
-fn dot_q4_1(w: &[WeightBlock], a: &QuantizedRow) -> f32 {
+fn dot_q4_1(w: &[u8], a: &QuantizedRow) -> f32 {
     let mut acc = [0f32; 8];
     let mut summs = 0f32;
-    for (i, b) in w.iter().enumerate() {
-        summs = b.m.mul_add(a.s[i], summs);
-        let d = b.d * a.d[i];
-        let lanes = block_lanes(&b.q, &a.q[i * BLOCK..(i + 1) * BLOCK]);
-        for (acc, l) in acc.iter_mut().zip(lanes) {
-            *acc = d.mul_add(l, *acc);
-        }
+    for (i, b) in w.chunks_exact(20).enumerate() {
+        summs = f16_at(b, 2).mul_add(a.s[i], summs);
+        let lanes = block_lanes(&nibbles(&b[4..], 0), &a.q[i * BLOCK..(i + 1) * BLOCK]);
+        accumulate(&mut acc, f16_at(b, 0) * a.d[i], lanes);
     }
     hsum8(acc) + summs
 }
 
-/// `ggml_vec_dot_q4_0_q8_0` and `ggml_vec_dot_q8_0_q8_0`: eight fused lanes.
-fn dot_q8(w: &[WeightBlock], a: &QuantizedRow) -> f32 {
+/// `ggml_vec_dot_q4_0_q8_0`.
+fn dot_q4_0(w: &[u8], a: &QuantizedRow) -> f32 {
     let mut acc = [0f32; 8];
-    for (i, b) in w.iter().enumerate() {
-        let d = b.d * a.d[i];
-        let lanes = block_lanes(&b.q, &a.q[i * BLOCK..(i + 1) * BLOCK]);
-        for (acc, l) in acc.iter_mut().zip(lanes) {
-            *acc = d.mul_add(l, *acc);
-        }
+    for (i, b) in w.chunks_exact(18).enumerate() {
+        let lanes = block_lanes(&nibbles(&b[2..], 8), &a.q[i * BLOCK..(i + 1) * BLOCK]);
+        accumulate(&mut acc, f16_at(b, 0) * a.d[i], lanes);
     }
     hsum8(acc)
+}
+
+/// `ggml_vec_dot_q8_0_q8_0`.
+fn dot_q8_0(w: &[u8], a: &QuantizedRow) -> f32 {
+    let mut acc = [0f32; 8];
+    for (i, b) in w.chunks_exact(34).enumerate() {
+        let mut q = [0i8; BLOCK];
+        for (dst, &src) in q.iter_mut().zip(&b[2..]) {
+            *dst = src as i8;
+        }
+        let lanes = block_lanes(&q, &a.q[i * BLOCK..(i + 1) * BLOCK]);
+        accumulate(&mut acc, f16_at(b, 0) * a.d[i], lanes);
+    }
+    hsum8(acc)
+}
+
+/// The same dot products with AVX2: `maddubs` + `madd` give exactly the eight four-value
+/// integer lanes of the portable code, then one fused multiply-add per block.
+#[cfg(target_arch = "x86_64")]
+#[allow(unsafe_code)]
+mod x86 {
+    use std::arch::x86_64::*;
+
+    use super::{f16_at, hsum8, QuantizedRow, BLOCK};
+
+    /// Eight f32 lanes of a vector.
+    #[inline(always)]
+    fn lanes(v: __m256) -> [f32; 8] {
+        let mut out = [0f32; 8];
+        // SAFETY: `out` holds exactly eight f32; storeu has no alignment requirement.
+        unsafe { _mm256_storeu_ps(out.as_mut_ptr(), v) };
+        out
+    }
+
+    /// Unsigned weight bytes times signed activation bytes, four products per i32 lane.
+    #[inline]
+    #[target_feature(enable = "avx2")]
+    fn lane_sums(qx: __m256i, qy: __m256i) -> __m256 {
+        let pairs = _mm256_maddubs_epi16(qx, qy);
+        _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_set1_epi16(1), pairs))
+    }
+
+    /// The 32 nibbles of a 4-bit block as bytes, low nibbles first.
+    #[inline]
+    #[target_feature(enable = "avx2")]
+    fn nibbles(qs: &[u8]) -> __m256i {
+        assert!(qs.len() >= 16);
+        // SAFETY: the assertion guarantees 16 readable bytes; loadu is unaligned.
+        let raw = unsafe { _mm_loadu_si128(qs.as_ptr().cast()) };
+        let both = _mm256_set_m128i(_mm_srli_epi16(raw, 4), raw);
+        _mm256_and_si256(both, _mm256_set1_epi8(0x0F))
+    }
+
+    /// One activation block's 32 signed bytes.
+    #[inline]
+    #[target_feature(enable = "avx2")]
+    fn activation(a: &QuantizedRow, i: usize) -> __m256i {
+        let q = &a.q[i * BLOCK..(i + 1) * BLOCK];
+        // SAFETY: `q` is exactly 32 bytes; loadu is unaligned.
+        unsafe { _mm256_loadu_si256(q.as_ptr().cast()) }
+    }
+
+    #[target_feature(enable = "avx2,fma")]
+    fn q4_1(w: &[u8], a: &QuantizedRow) -> f32 {
+        let mut acc = _mm256_setzero_ps();
+        let mut summs = 0f32;
+        for (i, b) in w.chunks_exact(20).enumerate() {
+            summs = f16_at(b, 2).mul_add(a.s[i], summs);
+            let d = _mm256_set1_ps(f16_at(b, 0) * a.d[i]);
+            acc = _mm256_fmadd_ps(d, lane_sums(nibbles(&b[4..]), activation(a, i)), acc);
+        }
+        hsum8(lanes(acc)) + summs
+    }
+
+    /// One block of one Q4_1 row: the fused `m * s` term and the eight-lane update.
+    #[inline]
+    #[target_feature(enable = "avx2,fma")]
+    fn q4_1_block(
+        b: &[u8],
+        a: &QuantizedRow,
+        i: usize,
+        qy: __m256i,
+        acc: __m256,
+        summs: f32,
+    ) -> (__m256, f32) {
+        let summs = f16_at(b, 2).mul_add(a.s[i], summs);
+        let d = _mm256_set1_ps(f16_at(b, 0) * a.d[i]);
+        (
+            _mm256_fmadd_ps(d, lane_sums(nibbles(&b[4..]), qy), acc),
+            summs,
+        )
+    }
+
+    #[target_feature(enable = "avx2,fma")]
+    fn q4_1_x4(w: [&[u8]; 4], a: &QuantizedRow) -> [f32; 4] {
+        let (mut a0, mut a1, mut a2, mut a3) = (
+            _mm256_setzero_ps(),
+            _mm256_setzero_ps(),
+            _mm256_setzero_ps(),
+            _mm256_setzero_ps(),
+        );
+        let (mut s0, mut s1, mut s2, mut s3) = (0f32, 0f32, 0f32, 0f32);
+        let blocks = w.map(|r| r.chunks_exact(20));
+        let [b0, b1, b2, b3] = blocks;
+        for (i, (((x0, x1), x2), x3)) in b0.zip(b1).zip(b2).zip(b3).enumerate() {
+            let qy = activation(a, i);
+            (a0, s0) = q4_1_block(x0, a, i, qy, a0, s0);
+            (a1, s1) = q4_1_block(x1, a, i, qy, a1, s1);
+            (a2, s2) = q4_1_block(x2, a, i, qy, a2, s2);
+            (a3, s3) = q4_1_block(x3, a, i, qy, a3, s3);
+        }
+        [
+            hsum8(lanes(a0)) + s0,
+            hsum8(lanes(a1)) + s1,
+            hsum8(lanes(a2)) + s2,
+            hsum8(lanes(a3)) + s3,
+        ]
+    }
+
+    /// One block of one Q4_0/Q8_0 row: the eight-lane update.
+    #[inline]
+    #[target_feature(enable = "avx2,fma")]
+    fn signed_block(
+        b: &[u8],
+        a: &QuantizedRow,
+        i: usize,
+        qy: __m256i,
+        acc: __m256,
+        four_bit: bool,
+    ) -> __m256 {
+        let qx = if four_bit {
+            _mm256_sub_epi8(nibbles(&b[2..]), _mm256_set1_epi8(8))
+        } else {
+            assert!(b.len() >= 34);
+            // SAFETY: the assertion guarantees the block's 32 value bytes after its scale.
+            unsafe { _mm256_loadu_si256(b[2..].as_ptr().cast()) }
+        };
+        // |x| times sign(x)·y: the same products, with the unsigned-by-signed instruction.
+        let prod = lane_sums(_mm256_sign_epi8(qx, qx), _mm256_sign_epi8(qy, qx));
+        _mm256_fmadd_ps(_mm256_set1_ps(f16_at(b, 0) * a.d[i]), prod, acc)
+    }
+
+    #[target_feature(enable = "avx2,fma")]
+    fn signed_x4(w: [&[u8]; 4], a: &QuantizedRow, stride: usize, four_bit: bool) -> [f32; 4] {
+        let (mut a0, mut a1, mut a2, mut a3) = (
+            _mm256_setzero_ps(),
+            _mm256_setzero_ps(),
+            _mm256_setzero_ps(),
+            _mm256_setzero_ps(),
+        );
+        let [b0, b1, b2, b3] = w.map(|r| r.chunks_exact(stride));
+        for (i, (((x0, x1), x2), x3)) in b0.zip(b1).zip(b2).zip(b3).enumerate() {
+            let qy = activation(a, i);
+            a0 = signed_block(x0, a, i, qy, a0, four_bit);
+            a1 = signed_block(x1, a, i, qy, a1, four_bit);
+            a2 = signed_block(x2, a, i, qy, a2, four_bit);
+            a3 = signed_block(x3, a, i, qy, a3, four_bit);
+        }
+        [a0, a1, a2, a3].map(|v| hsum8(lanes(v)))
+    }
+
+    #[target_feature(enable = "avx2,fma")]
+    fn signed(w: &[u8], a: &QuantizedRow, stride: usize, four_bit: bool) -> f32 {
+        let mut acc = _mm256_setzero_ps();
+        for (i, b) in w.chunks_exact(stride).enumerate() {
+            acc = signed_block(b, a, i, activation(a, i), acc, four_bit);
+        }
+        hsum8(lanes(acc))
+    }
+
+    pub(super) fn dot4_q4_1(w: [&[u8]; 4], a: &QuantizedRow) -> [f32; 4] {
+        // SAFETY: chosen only after `is_x86_feature_detected!` found avx2 and fma.
+        unsafe { q4_1_x4(w, a) }
+    }
+
+    pub(super) fn dot4_q4_0(w: [&[u8]; 4], a: &QuantizedRow) -> [f32; 4] {
+        // SAFETY: chosen only after `is_x86_feature_detected!` found avx2 and fma.
+        unsafe { signed_x4(w, a, 18, true) }
+    }
+
+    pub(super) fn dot4_q8_0(w: [&[u8]; 4], a: &QuantizedRow) -> [f32; 4] {
+        // SAFETY: chosen only after `is_x86_feature_detected!` found avx2 and fma.
+        unsafe { signed_x4(w, a, 34, false) }
+    }
+
+    pub(super) fn dot_q4_1(w: &[u8], a: &QuantizedRow) -> f32 {
+        // SAFETY: chosen only after `is_x86_feature_detected!` found avx2 and fma.
+        unsafe { q4_1(w, a) }
+    }
+
+    pub(super) fn dot_q4_0(w: &[u8], a: &QuantizedRow) -> f32 {
+        // SAFETY: chosen only after `is_x86_feature_detected!` found avx2 and fma.
+        unsafe { signed(w, a, 18, true) }
+    }
+
+    pub(super) fn dot_q8_0(w: &[u8], a: &QuantizedRow) -> f32 {
+        // SAFETY: chosen only after `is_x86_feature_detected!` found avx2 and fma.
+        unsafe { signed(w, a, 34, false) }
+    }
 }
 
 #[cfg(test)]
@@ -311,6 +532,42 @@ mod tests {
         assert_eq!(&q.q[..3], &[127, 30, -2]);
         assert_eq!(q.d[0], 1.0);
         assert_eq!(q.s[0], 155.0);
+    }
+
+    #[test]
+    fn every_kernel_matches_the_portable_code_bit_for_bit() {
+        let nb = 6;
+        let bytes: Vec<u8> = (0..64 * nb).map(|i| (i * 131 % 251) as u8).collect();
+        // Scales must be finite f16 values: write them explicitly.
+        let block = |fmt: WeightFormat| {
+            let mut out = Vec::new();
+            for (i, chunk) in bytes.chunks(fmt.block_bytes()).take(nb).enumerate() {
+                let mut b = chunk.to_vec();
+                b[..2].copy_from_slice(&f16::from_f32(0.01 + i as f32 * 0.003).to_le_bytes());
+                if fmt == WeightFormat::Q4_1 {
+                    b[2..4].copy_from_slice(&f16::from_f32(-0.05 * i as f32).to_le_bytes());
+                }
+                out.extend(b);
+            }
+            out
+        };
+        let x: Vec<f32> = (0..BLOCK * nb)
+            .map(|i| ((i * 37 % 101) as f32 - 50.0) * 0.013)
+            .collect();
+        for fmt in [WeightFormat::Q4_0, WeightFormat::Q4_1, WeightFormat::Q8_0] {
+            let w = block(fmt);
+            let a = quantize_row(&x, fmt == WeightFormat::Q4_1);
+            let portable = match fmt {
+                WeightFormat::Q4_1 => dot_q4_1(&w, &a),
+                WeightFormat::Q4_0 => dot_q4_0(&w, &a),
+                WeightFormat::Q8_0 => dot_q8_0(&w, &a),
+            };
+            assert_eq!(
+                dot_kernel(fmt)(&w, &a).to_bits(),
+                portable.to_bits(),
+                "{fmt:?}"
+            );
+        }
     }
 
     #[test]

@@ -6,7 +6,9 @@ use std::path::PathBuf;
 use candle_core::Device;
 use clap::{Args, Parser, Subcommand};
 
+use crate::engine::{EngineConfig, EngineHandle, Event};
 use crate::error::{Error, Result};
+use crate::model::llama::KvDtype;
 use crate::sampling::SamplingParams;
 use crate::tokenizer::ChatMessage;
 
@@ -23,7 +25,7 @@ pub struct Cli {
 #[derive(Debug, Subcommand)]
 pub enum Command {
     /// Generate a completion for one prompt and print it with prompt and decode speed.
-    Generate(GenerateArgs),
+    Generate(Box<GenerateArgs>),
     /// Measure prompt processing, single-stream decode and the memory-bandwidth bound.
     Bench(BenchArgs),
 }
@@ -34,6 +36,62 @@ pub struct ModelArgs {
     /// A GGUF file or a Hugging Face model directory (config.json, *.safetensors, tokenizer.json).
     #[arg(long, env = "FERRITE_MODEL")]
     pub model: PathBuf,
+}
+
+/// How large the KV cache is and how it is shared (vLLM's names).
+#[derive(Debug, Args)]
+pub struct CacheArgs {
+    /// Tokens per KV cache block.
+    #[arg(long, env = "FERRITE_BLOCK_SIZE", default_value_t = 16)]
+    pub block_size: usize,
+    /// Fraction of device memory (on CPU: the cgroup limit, else the machine's memory) for
+    /// weights, activations and the KV cache, in (0, 1].
+    #[arg(long, env = "FERRITE_GPU_MEMORY_UTILIZATION", default_value_t = 0.9)]
+    pub gpu_memory_utilization: f64,
+    /// KV cache size in bytes; overrides --gpu-memory-utilization.
+    #[arg(long, env = "FERRITE_KV_CACHE_MEMORY")]
+    pub kv_cache_memory: Option<u64>,
+    /// Share KV blocks between requests with a common prefix (the default).
+    #[arg(long, overrides_with = "no_enable_prefix_caching")]
+    pub enable_prefix_caching: bool,
+    /// Compute every prompt in full.
+    #[arg(long, overrides_with = "enable_prefix_caching")]
+    pub no_enable_prefix_caching: bool,
+    /// KV cache element type: auto (f32 for f32 checkpoints, else f16), f16 or f32.
+    #[arg(long, default_value = "auto", value_parser = ["auto", "f16", "f32"])]
+    pub kv_cache_dtype: String,
+}
+
+/// How requests are batched (vLLM's names).
+#[derive(Debug, Args)]
+pub struct SchedulerArgs {
+    /// Most sequences running at once.
+    #[arg(long, env = "FERRITE_MAX_NUM_SEQS", default_value_t = 256)]
+    pub max_num_seqs: usize,
+    /// Most tokens (prefill chunks and decodes) in one step; longer prompts are chunked.
+    #[arg(long, env = "FERRITE_MAX_NUM_BATCHED_TOKENS", default_value_t = 2048)]
+    pub max_num_batched_tokens: usize,
+    /// Longest prompt plus completion; default: the model's context length.
+    #[arg(long, env = "FERRITE_MAX_MODEL_LEN")]
+    pub max_model_len: Option<usize>,
+}
+
+/// The engine configuration these flags describe.
+pub fn engine_config(cache: &CacheArgs, sched: &SchedulerArgs) -> EngineConfig {
+    EngineConfig {
+        block_size: cache.block_size,
+        max_num_seqs: sched.max_num_seqs,
+        max_num_batched_tokens: sched.max_num_batched_tokens,
+        max_model_len: sched.max_model_len,
+        gpu_memory_utilization: cache.gpu_memory_utilization,
+        kv_cache_memory: cache.kv_cache_memory,
+        enable_prefix_caching: !cache.no_enable_prefix_caching,
+        kv_dtype: match cache.kv_cache_dtype.as_str() {
+            "f16" => KvDtype::F16,
+            "f32" => KvDtype::F32,
+            _ => KvDtype::Auto,
+        },
+    }
 }
 
 /// How to pick tokens.
@@ -106,8 +164,14 @@ pub struct GenerateArgs {
     #[command(flatten)]
     pub model: ModelArgs,
     /// The prompt text.
-    #[arg(long)]
-    pub prompt: String,
+    #[arg(long, required_unless_present = "prompts_file")]
+    pub prompt: Option<String>,
+    /// Run the prompt this many times at once through the batcher.
+    #[arg(long, default_value_t = 1)]
+    pub num_prompts: usize,
+    /// Run every line of this file as a prompt, all at once through the batcher.
+    #[arg(long, conflicts_with = "prompt")]
+    pub prompts_file: Option<PathBuf>,
     /// Send the prompt as a user message through the model's chat template.
     #[arg(long)]
     pub chat: bool,
@@ -117,6 +181,12 @@ pub struct GenerateArgs {
     /// Sampling.
     #[command(flatten)]
     pub sampling: SamplingArgs,
+    /// KV cache.
+    #[command(flatten)]
+    pub cache: CacheArgs,
+    /// Batching.
+    #[command(flatten)]
+    pub scheduler: SchedulerArgs,
 }
 
 /// Flags of `ferrite-engine bench`.
@@ -134,45 +204,101 @@ pub struct BenchArgs {
     /// Repetitions; the best run is reported.
     #[arg(long, default_value_t = 3)]
     pub repeat: usize,
+    /// Concurrent request counts for the batching table; empty skips it.
+    #[arg(long, value_delimiter = ',', default_value = "1,4,16,64")]
+    pub concurrency: Vec<usize>,
+    /// Requests for the naive baseline (one at a time, --max-num-seqs 1).
+    #[arg(long, default_value_t = 16)]
+    pub naive_requests: usize,
+    /// Prompt and output length of each batching request.
+    #[arg(long, default_value_t = 128)]
+    pub request_tokens: usize,
 }
 
 /// Runs the parsed command line.
 pub fn run(cli: Cli) -> Result<()> {
     match cli.command {
-        Command::Generate(args) => generate(args),
+        Command::Generate(args) => generate(*args),
         Command::Bench(args) => crate::bench::run(&args),
     }
 }
 
 fn generate(args: GenerateArgs) -> Result<()> {
     let loaded = crate::model::load(&args.model.model, &Device::Cpu)?;
-    let prompt = if args.chat {
-        let mut messages = Vec::new();
-        if let Some(system) = &args.system {
-            messages.push(ChatMessage::new("system", system.clone()));
-        }
-        messages.push(ChatMessage::new("user", args.prompt.clone()));
-        let text = loaded.tokenizer.chat_template()?.render(&messages, true)?;
-        loaded.tokenizer.encode(&text, false)?
-    } else {
-        loaded.tokenizer.encode(&args.prompt, true)?
+    let texts: Vec<String> = match (&args.prompts_file, &args.prompt) {
+        (Some(path), _) => std::fs::read_to_string(path)
+            .map_err(|e| {
+                Error::InvalidParameter(format!("--prompts-file {}: {e}", path.display()))
+            })?
+            .lines()
+            .filter(|l| !l.trim().is_empty())
+            .map(str::to_string)
+            .collect(),
+        (None, Some(p)) => vec![p.clone(); args.num_prompts.max(1)],
+        (None, None) => Vec::new(),
     };
+    let template = if args.chat {
+        Some(loaded.tokenizer.chat_template()?)
+    } else {
+        None
+    };
+    let mut prompts = Vec::with_capacity(texts.len());
+    for text in &texts {
+        prompts.push(match &template {
+            Some(t) => {
+                let mut messages = Vec::new();
+                if let Some(system) = &args.system {
+                    messages.push(ChatMessage::new("system", system.clone()));
+                }
+                messages.push(ChatMessage::new("user", text.clone()));
+                loaded
+                    .tokenizer
+                    .encode(&t.render(&messages, true)?, false)?
+            }
+            None => loaded.tokenizer.encode(text, true)?,
+        });
+    }
+    let engine = EngineHandle::start(loaded, engine_config(&args.cache, &args.scheduler))?;
+    let start = std::time::Instant::now();
+    let streams = prompts
+        .iter()
+        .map(|p| engine.submit(p.clone(), args.sampling.params()))
+        .collect::<Result<Vec<_>>>()?;
     let io = |e: std::io::Error| Error::InvalidParameter(format!("cannot write to stdout: {e}"));
-    let g = crate::generate::generate(&loaded, &prompt, args.sampling.params(), |t| {
-        let mut out = std::io::stdout().lock();
-        let _ = out.write_all(t.as_bytes());
-        let _ = out.flush();
-    })?;
-    let mut out = std::io::stdout().lock();
-    writeln!(out).and_then(|()| out.flush()).map_err(io)?;
-    let decoded = g.tokens.len().saturating_sub(1);
+    let mut out = std::io::stdout();
+    let (mut first_token, mut generated) = (None, 0usize);
+    let single = streams.len() == 1;
+    for (i, mut stream) in streams.into_iter().enumerate() {
+        if !single {
+            writeln!(out, "--- {} ---", i + 1).map_err(io)?;
+        }
+        while let Some(ev) = stream.next_blocking() {
+            match ev {
+                Event::Token { text, .. } => {
+                    first_token.get_or_insert_with(std::time::Instant::now);
+                    generated += 1;
+                    out.write_all(text.as_bytes())
+                        .and_then(|()| out.flush())
+                        .map_err(io)?;
+                }
+                Event::Finished(f) => {
+                    writeln!(out).map_err(io)?;
+                    if single {
+                        eprintln!("finish: {}", f.reason.as_str());
+                    }
+                    break;
+                }
+            }
+        }
+    }
+    let end = std::time::Instant::now();
+    let first = first_token.unwrap_or(end);
+    let prompt_tokens: usize = prompts.iter().map(Vec::len).sum();
     eprintln!(
-        "prompt: {} tokens, {:.1} tok/s | decode: {} tokens, {:.1} tok/s | finish: {}",
-        g.prompt_tokens,
-        g.prompt_tokens as f64 / g.prompt_seconds.max(1e-9),
-        g.tokens.len(),
-        decoded as f64 / g.decode_seconds.max(1e-9),
-        g.finish_reason.as_str()
+        "prompt: {prompt_tokens} tokens, {:.1} tok/s | decode: {generated} tokens, {:.1} tok/s | {} request(s)",
+        prompt_tokens as f64 / (first - start).as_secs_f64().max(1e-9),
+        generated.saturating_sub(prompts.len()) as f64 / (end - first).as_secs_f64().max(1e-9),
+        prompts.len()
     );
     Ok(())
 }

@@ -3,11 +3,14 @@
 
 pub mod bench;
 pub mod cli;
+pub mod engine;
 pub mod error;
 pub mod generate;
 pub mod kernels;
+pub mod kv;
 pub mod model;
 pub mod sampling;
+pub mod scheduler;
 pub mod sequence;
 pub mod tokenizer;
 

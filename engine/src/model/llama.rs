@@ -203,6 +203,11 @@ impl Llama {
         )?)
     }
 
+    /// Whether `KvDtype::Auto` resolves to f16 (any checkpoint that is not all f32).
+    pub fn kv_prefers_f16(&self) -> bool {
+        self.kv_f16
+    }
+
     /// A contiguous KV cache for `slots` sequences in the element type `dtype` resolves to.
     pub fn new_cache(&self, slots: usize, dtype: KvDtype) -> Box<dyn KvCache + Send> {
         let layers = self.config.num_layers;
@@ -233,7 +238,9 @@ impl Llama {
         self.forward_rows(batch, cache, &all)
     }
 
-    fn forward_rows(
+    /// Runs the batch and returns logits (`[rows.len(), vocab]`) for the given token rows
+    /// (indexes into `batch.tokens`); steps that only fill the cache pass none.
+    pub fn forward_rows(
         &self,
         batch: &Batch<'_>,
         cache: &mut dyn KvCache,
@@ -273,6 +280,10 @@ impl Llama {
             let act = Tensor::from_vec(act, (n, c.intermediate_size), &self.device)?;
             x = (x + b.down.forward(&act)?)?;
         }
+        if rows.is_empty() {
+            return Ok(Tensor::zeros((0, c.vocab_size), DType::F32, &self.device)?);
+        }
+        // Rows are increasing indexes into the batch, so as many rows as tokens means all.
         let x = if rows.len() == n {
             x
         } else {
@@ -383,7 +394,7 @@ impl<T: KvElement> ContiguousCache<T> {
 }
 
 /// A tensor's values as f32, row-major.
-pub(crate) fn to_f32_vec(t: &Tensor) -> Result<Vec<f32>> {
+pub fn to_f32_vec(t: &Tensor) -> Result<Vec<f32>> {
     Ok(t.flatten_all()?.to_dtype(DType::F32)?.to_vec1::<f32>()?)
 }
 

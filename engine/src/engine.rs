@@ -1,0 +1,489 @@
+//! The engine loop: one thread owns the model, the paged KV cache and the scheduler;
+//! requests arrive through a cheap-to-clone [`EngineHandle`], and each request streams its
+//! tokens back on its own channel. A request whose receiver is dropped (the client went
+//! away) is cancelled and its blocks freed in the next step.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{mpsc, Arc, Mutex};
+use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver, UnboundedSender};
+
+use crate::error::{Error, Result};
+use crate::kv::budget::{self, CachePlan, CacheRequest};
+use crate::kv::cache::{PagedCache, PagedKv};
+use crate::kv::BlockPool;
+use crate::model::llama::{Batch, KvDtype, SeqSlice};
+use crate::model::LoadedModel;
+use crate::sampling::SamplingParams;
+use crate::scheduler::{Scheduler, SchedulerConfig};
+use crate::sequence::{FinishReason, SequenceState, TokenOutput};
+
+/// How the engine sizes its cache and batches.
+#[derive(Debug, Clone, PartialEq)]
+pub struct EngineConfig {
+    /// Tokens per KV block.
+    pub block_size: usize,
+    /// Most sequences running at once.
+    pub max_num_seqs: usize,
+    /// Most tokens in one step.
+    pub max_num_batched_tokens: usize,
+    /// Longest prompt plus completion; `None` is the model's context length.
+    pub max_model_len: Option<usize>,
+    /// Fraction of device memory for weights, activations and KV cache.
+    pub gpu_memory_utilization: f64,
+    /// KV cache size in bytes, overriding the fraction.
+    pub kv_cache_memory: Option<u64>,
+    /// Share KV blocks between requests with a common prefix.
+    pub enable_prefix_caching: bool,
+    /// Element type of the KV cache.
+    pub kv_dtype: KvDtype,
+}
+
+impl Default for EngineConfig {
+    fn default() -> Self {
+        EngineConfig {
+            block_size: 16,
+            max_num_seqs: 256,
+            max_num_batched_tokens: 2048,
+            max_model_len: None,
+            gpu_memory_utilization: 0.9,
+            kv_cache_memory: None,
+            enable_prefix_caching: true,
+            kv_dtype: KvDtype::Auto,
+        }
+    }
+}
+
+/// What a request's stream carries.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Event {
+    /// A generated token and the text it completes.
+    Token {
+        /// The token and its log-probabilities.
+        token: TokenOutput,
+        /// Text that may be shown (stop-string prefixes are held back).
+        text: String,
+    },
+    /// The request ended; nothing follows.
+    Finished(Finish),
+}
+
+/// How a request ended, with its token counts.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Finish {
+    /// Why generation stopped.
+    pub reason: FinishReason,
+    /// Prompt tokens.
+    pub prompt_tokens: usize,
+    /// Generated tokens.
+    pub completion_tokens: usize,
+    /// Prompt tokens served from the prefix cache.
+    pub cached_tokens: usize,
+}
+
+/// Gauges and counters of the engine, updated every step.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct EngineStats {
+    /// Sequences in the running batch.
+    pub running: usize,
+    /// Requests waiting for admission.
+    pub waiting: usize,
+    /// Blocks held by sequences.
+    pub used_blocks: usize,
+    /// Blocks holding reusable prefixes that nobody uses.
+    pub cached_blocks: usize,
+    /// Blocks in the pool.
+    pub total_blocks: usize,
+    /// Sequences preempted (and recomputed later) so far.
+    pub preemptions: u64,
+    /// Prompt tokens looked up in the prefix cache.
+    pub prefix_queries: u64,
+    /// Prompt tokens found there.
+    pub prefix_hits: u64,
+    /// Prompt tokens computed (not served from the prefix cache).
+    pub computed_prompt_tokens: u64,
+    /// Tokens generated.
+    pub generated_tokens: u64,
+    /// Steps run.
+    pub steps: u64,
+    /// Most cache slots the running sequences held at once (blocks × block size).
+    pub peak_allocated_slots: usize,
+    /// Slots holding a token at that peak.
+    pub filled_at_peak: usize,
+}
+
+/// Fixed facts about the running engine.
+#[derive(Debug, Clone, PartialEq)]
+pub struct EngineInfo {
+    /// The cache's size and how it was derived.
+    pub cache: CachePlan,
+    /// Longest prompt plus completion.
+    pub max_model_len: usize,
+    /// Vocabulary size of the model.
+    pub vocab_size: usize,
+}
+
+struct Request {
+    id: u64,
+    prompt: Vec<u32>,
+    params: SamplingParams,
+    events: UnboundedSender<Event>,
+}
+
+struct Shared {
+    info: EngineInfo,
+    stats: Mutex<EngineStats>,
+    next_id: AtomicU64,
+}
+
+/// A handle to the engine thread; clones share it. The thread stops when every handle is
+/// dropped and the last request has finished.
+#[derive(Clone)]
+pub struct EngineHandle {
+    tx: mpsc::Sender<Request>,
+    shared: Arc<Shared>,
+}
+
+impl std::fmt::Debug for EngineHandle {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("EngineHandle")
+            .field("info", &self.shared.info)
+            .finish_non_exhaustive()
+    }
+}
+
+/// The tokens of one request as they are produced.
+#[derive(Debug)]
+pub struct RequestStream {
+    rx: UnboundedReceiver<Event>,
+}
+
+impl RequestStream {
+    /// The next event, waiting for it (for async callers).
+    pub async fn next(&mut self) -> Option<Event> {
+        self.rx.recv().await
+    }
+
+    /// The next event, blocking the thread (for synchronous callers, outside a runtime).
+    pub fn next_blocking(&mut self) -> Option<Event> {
+        self.rx.blocking_recv()
+    }
+
+    /// Waits for the whole completion: its tokens, text and how it ended.
+    pub fn collect_blocking(mut self) -> Result<(Vec<TokenOutput>, String, Finish)> {
+        let (mut tokens, mut text) = (Vec::new(), String::new());
+        while let Some(ev) = self.next_blocking() {
+            match ev {
+                Event::Token { token, text: t } => {
+                    tokens.push(token);
+                    text.push_str(&t);
+                }
+                Event::Finished(f) => return Ok((tokens, text, f)),
+            }
+        }
+        Err(Error::InvalidParameter(
+            "the engine stopped before the request finished".into(),
+        ))
+    }
+}
+
+impl EngineHandle {
+    /// Sizes the cache, then starts the engine thread with `model`.
+    pub fn start(model: LoadedModel, config: EngineConfig) -> Result<Self> {
+        let c = model.model.config().clone();
+        let max_model_len = config.max_model_len.unwrap_or(c.max_position_embeddings);
+        if max_model_len > c.max_position_embeddings {
+            return Err(Error::InvalidParameter(format!(
+                "--max-model-len {max_model_len} is longer than the model's context length {}",
+                c.max_position_embeddings
+            )));
+        }
+        let check = |name: &str, v: usize| {
+            if v == 0 {
+                Err(Error::InvalidParameter(format!(
+                    "{name} must be at least 1"
+                )))
+            } else {
+                Ok(())
+            }
+        };
+        check("--block-size", config.block_size)?;
+        check("--max-num-seqs", config.max_num_seqs)?;
+        check("--max-num-batched-tokens", config.max_num_batched_tokens)?;
+        let f16 = match config.kv_dtype {
+            KvDtype::F16 => true,
+            KvDtype::F32 => false,
+            KvDtype::Auto => model.model.kv_prefers_f16(),
+        };
+        let element_bytes = if f16 { 2 } else { 4 };
+        let plan = budget::plan(
+            &CacheRequest {
+                utilization: config.gpu_memory_utilization,
+                kv_cache_memory: config.kv_cache_memory,
+                weight_bytes: model.model.weight_bytes_per_token() as u64,
+                activation_bytes: budget::activation_bytes(
+                    &c,
+                    config.max_num_batched_tokens,
+                    config.max_num_seqs,
+                ),
+                bytes_per_token: budget::bytes_per_token(&c, element_bytes),
+                block_size: config.block_size,
+                max_model_len,
+            },
+            budget::device_memory(),
+        )?;
+        tracing::info!(
+            blocks = plan.num_blocks,
+            tokens = plan.num_blocks * plan.block_size,
+            "KV cache: {} blocks of {} tokens ({:.1} MiB from {})",
+            plan.num_blocks,
+            plan.block_size,
+            plan.kv_bytes as f64 / (1 << 20) as f64,
+            plan.explanation
+        );
+        let width = c.num_kv_heads * c.head_dim;
+        let cache: Box<dyn PagedCache> = if f16 {
+            Box::new(PagedKv::<half::f16>::new(
+                plan.block_size,
+                c.num_layers,
+                width,
+            ))
+        } else {
+            Box::new(PagedKv::<f32>::new(plan.block_size, c.num_layers, width))
+        };
+        let shared = Arc::new(Shared {
+            info: EngineInfo {
+                cache: plan.clone(),
+                max_model_len,
+                vocab_size: c.vocab_size,
+            },
+            stats: Mutex::new(EngineStats {
+                total_blocks: plan.num_blocks,
+                ..Default::default()
+            }),
+            next_id: AtomicU64::new(0),
+        });
+        let (tx, rx) = mpsc::channel();
+        let sched = SchedulerConfig {
+            max_num_seqs: config.max_num_seqs,
+            max_num_batched_tokens: config.max_num_batched_tokens,
+            enable_prefix_caching: config.enable_prefix_caching,
+        };
+        let thread_shared = Arc::clone(&shared);
+        std::thread::Builder::new()
+            .name("ferrite-engine".into())
+            .spawn(move || {
+                let pool = BlockPool::new(plan.num_blocks, plan.block_size);
+                EngineLoop {
+                    model,
+                    cache,
+                    sched: Scheduler::new(sched, pool),
+                    shared: thread_shared,
+                }
+                .run(rx)
+            })
+            .map_err(|e| Error::InvalidParameter(format!("cannot start the engine thread: {e}")))?;
+        Ok(EngineHandle { tx, shared })
+    }
+
+    /// Facts about the engine (cache size, limits).
+    pub fn info(&self) -> &EngineInfo {
+        &self.shared.info
+    }
+
+    /// A snapshot of the engine's gauges and counters.
+    pub fn stats(&self) -> EngineStats {
+        self.shared.stats.lock().map(|s| *s).unwrap_or_default()
+    }
+
+    /// Queues a request after checking it could ever be served; tokens arrive on the
+    /// returned stream. Dropping the stream cancels the request.
+    pub fn submit(&self, prompt: Vec<u32>, params: SamplingParams) -> Result<RequestStream> {
+        params.validate()?;
+        let info = &self.shared.info;
+        if prompt.is_empty() {
+            return Err(Error::InvalidParameter(
+                "the prompt must contain at least one token".into(),
+            ));
+        }
+        if let Some(&bad) = prompt.iter().find(|&&t| t as usize >= info.vocab_size) {
+            return Err(Error::InvalidParameter(format!(
+                "token id {bad} is out of range: the vocabulary has {} tokens",
+                info.vocab_size
+            )));
+        }
+        let total = prompt.len() + params.max_tokens;
+        if total > info.max_model_len {
+            return Err(Error::InvalidParameter(format!(
+                "this model's maximum context length is {} tokens, but {} were requested ({} in \
+                 the prompt, {} for the completion); reduce the prompt or `max_tokens`",
+                info.max_model_len,
+                total,
+                prompt.len(),
+                params.max_tokens
+            )));
+        }
+        let (events, rx) = unbounded_channel();
+        let id = self.shared.next_id.fetch_add(1, Ordering::Relaxed);
+        self.tx
+            .send(Request {
+                id,
+                prompt,
+                params,
+                events,
+            })
+            .map_err(|_| Error::InvalidParameter("the engine has stopped".into()))?;
+        Ok(RequestStream { rx })
+    }
+}
+
+struct EngineLoop {
+    model: LoadedModel,
+    cache: Box<dyn PagedCache>,
+    sched: Scheduler<UnboundedSender<Event>>,
+    shared: Arc<Shared>,
+}
+
+impl EngineLoop {
+    fn run(mut self, rx: mpsc::Receiver<Request>) {
+        let mut open = true;
+        loop {
+            if self.sched.is_idle() {
+                if !open {
+                    return;
+                }
+                match rx.recv() {
+                    Ok(req) => self.admit(req),
+                    Err(_) => return,
+                }
+            }
+            loop {
+                match rx.try_recv() {
+                    Ok(req) => self.admit(req),
+                    Err(mpsc::TryRecvError::Empty) => break,
+                    Err(mpsc::TryRecvError::Disconnected) => {
+                        open = false;
+                        break;
+                    }
+                }
+            }
+            drop(self.sched.remove_where(|s| s.sink.is_closed()));
+            if let Err(e) = self.step() {
+                tracing::error!("engine step failed: {e}");
+                // Nothing can be computed reliably any more: end every request with abort.
+                for seq in self.sched.remove_where(|_| true) {
+                    let _ = seq.sink.send(Event::Finished(Finish {
+                        reason: FinishReason::Abort,
+                        prompt_tokens: seq.prompt_len,
+                        completion_tokens: seq.tokens.len() - seq.prompt_len,
+                        cached_tokens: seq.cached_prompt_tokens,
+                    }));
+                }
+            }
+            self.publish();
+        }
+    }
+
+    fn admit(&mut self, req: Request) {
+        let state = SequenceState::new(
+            &req.prompt,
+            req.params,
+            self.model.tokenizer.stop_token_ids(),
+        );
+        self.sched.add(req.id, req.prompt, state, req.events);
+    }
+
+    fn step(&mut self) -> Result<()> {
+        let plan = self.sched.schedule();
+        if plan.is_empty() {
+            return Ok(());
+        }
+        let (mut tokens, mut positions, mut seqs, mut tables, mut rows) =
+            (Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new());
+        let mut prompt_tokens = 0u64;
+        for (slot, s) in plan.iter().enumerate() {
+            let seq = &self.sched.running()[s.index];
+            let start = tokens.len();
+            tokens.extend_from_slice(&seq.tokens[s.start..s.start + s.len]);
+            positions.extend(s.start..s.start + s.len);
+            seqs.push(SeqSlice {
+                start,
+                len: s.len,
+                cache_slot: slot,
+            });
+            tables.push(seq.blocks().to_vec());
+            if s.start + s.len == seq.tokens.len() {
+                rows.push((start + s.len - 1) as u32);
+            }
+            prompt_tokens += seq.prompt_len.saturating_sub(s.start).min(s.len) as u64;
+        }
+        self.cache.set_tables(tables);
+        let batch = Batch {
+            tokens: &tokens,
+            positions: &positions,
+            seqs: &seqs,
+        };
+        let (model, cache) = (&self.model.model, &mut self.cache);
+        // One injection into the thread pool per step; its workers run the whole forward.
+        let logits = rayon::scope(|_| model.forward_rows(&batch, cache.as_mut(), &rows))?;
+        let mut logits = logits.to_vec2::<f32>()?.into_iter();
+        self.sched.complete(&plan);
+        let mut finished = Vec::new();
+        let mut generated = 0u64;
+        for s in &plan {
+            let seq = self.sched.running_mut(s.index);
+            if seq.computed != seq.tokens.len() {
+                continue;
+            }
+            let Some(mut row) = logits.next() else { break };
+            let step = seq.state.step(&mut row, &self.model.tokenizer)?;
+            generated += 1;
+            seq.tokens.push(step.token.id);
+            let _ = seq.sink.send(Event::Token {
+                token: step.token,
+                text: step.text,
+            });
+            if let Some(reason) = step.finished {
+                let _ = seq.sink.send(Event::Finished(Finish {
+                    reason,
+                    prompt_tokens: seq.prompt_len,
+                    completion_tokens: seq.tokens.len() - seq.prompt_len,
+                    cached_tokens: seq.cached_prompt_tokens,
+                }));
+                finished.push(s.index);
+            }
+        }
+        for index in finished.into_iter().rev() {
+            drop(self.sched.finish(index));
+        }
+        if let Ok(mut st) = self.shared.stats.lock() {
+            st.steps += 1;
+            st.generated_tokens += generated;
+            st.computed_prompt_tokens += prompt_tokens;
+        }
+        Ok(())
+    }
+
+    fn publish(&self) {
+        let pool = self.sched.pool();
+        let prefix = pool.prefix_stats();
+        let running = self.sched.running();
+        let allocated: usize = running
+            .iter()
+            .map(|s| s.blocks().len() * pool.block_size())
+            .sum();
+        let filled: usize = running.iter().map(|s| s.computed).sum();
+        if let Ok(mut st) = self.shared.stats.lock() {
+            if allocated > st.peak_allocated_slots {
+                st.peak_allocated_slots = allocated;
+                st.filled_at_peak = filled;
+            }
+            st.running = self.sched.running().len();
+            st.waiting = self.sched.num_waiting();
+            st.used_blocks = pool.num_used();
+            st.cached_blocks = pool.num_cached();
+            st.preemptions = self.sched.preemptions();
+            st.prefix_queries = prefix.queries;
+            st.prefix_hits = prefix.hits;
+        }
+    }
+}

@@ -1,0 +1,444 @@
+//! Continuous (iteration-level) batching, as vLLM's scheduler does it: every step keeps
+//! decoding the running sequences, admits waiting ones first-come-first-served while the
+//! sequence, token and block budgets allow, splits long prompts into chunks, and — when a
+//! running sequence needs a block and none is left — preempts the most recently admitted
+//! sequence, which gives its blocks back and is recomputed later.
+
+use std::cell::RefCell;
+use std::collections::VecDeque;
+use std::rc::Rc;
+
+use crate::kv::{block_hash, BlockId, BlockPool};
+use crate::sequence::SequenceState;
+
+/// The budgets the scheduler keeps.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SchedulerConfig {
+    /// Most sequences running at once.
+    pub max_num_seqs: usize,
+    /// Most tokens (prefill chunks plus decodes) in one step.
+    pub max_num_batched_tokens: usize,
+    /// Reuse full blocks whose tokens and prefix match an earlier request's.
+    pub enable_prefix_caching: bool,
+}
+
+/// A sequence's blocks, given back to the pool when the table is dropped.
+#[derive(Debug)]
+pub struct BlockTable {
+    ids: Vec<BlockId>,
+    pool: Rc<RefCell<BlockPool>>,
+}
+
+impl BlockTable {
+    fn new(pool: &Rc<RefCell<BlockPool>>) -> Self {
+        BlockTable {
+            ids: Vec::new(),
+            pool: Rc::clone(pool),
+        }
+    }
+
+    /// The block ids, in position order.
+    pub fn ids(&self) -> &[BlockId] {
+        &self.ids
+    }
+
+    fn release_all(&mut self) {
+        let mut pool = self.pool.borrow_mut();
+        for id in self.ids.drain(..) {
+            pool.release(id);
+        }
+    }
+}
+
+impl Drop for BlockTable {
+    fn drop(&mut self) {
+        self.release_all();
+    }
+}
+
+/// One request's tokens, cache blocks and generation state.
+#[derive(Debug)]
+pub struct Sequence<E> {
+    /// The request id.
+    pub id: u64,
+    /// Prompt followed by the tokens generated so far.
+    pub tokens: Vec<u32>,
+    /// Number of prompt tokens.
+    pub prompt_len: usize,
+    /// Tokens whose keys and values are in the cache.
+    pub computed: usize,
+    /// Prompt tokens that were found in the prefix cache at the last admission.
+    pub cached_prompt_tokens: usize,
+    /// Sampling and text state.
+    pub state: SequenceState,
+    /// Where this sequence's output goes (the engine's concern).
+    pub sink: E,
+    blocks: BlockTable,
+    hashes: Vec<u64>,
+}
+
+impl<E> Sequence<E> {
+    /// The block table.
+    pub fn blocks(&self) -> &[BlockId] {
+        self.blocks.ids()
+    }
+}
+
+/// One sequence's share of a step: `len` tokens starting at `start`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Scheduled {
+    /// Index into [`Scheduler::running`].
+    pub index: usize,
+    /// First position computed this step.
+    pub start: usize,
+    /// Number of tokens computed this step.
+    pub len: usize,
+}
+
+/// The waiting queue, the running batch and the block pool.
+#[derive(Debug)]
+pub struct Scheduler<E> {
+    config: SchedulerConfig,
+    pool: Rc<RefCell<BlockPool>>,
+    waiting: VecDeque<Sequence<E>>,
+    running: Vec<Sequence<E>>,
+    preemptions: u64,
+}
+
+impl<E> Scheduler<E> {
+    /// A scheduler over `pool`.
+    pub fn new(config: SchedulerConfig, pool: BlockPool) -> Self {
+        Scheduler {
+            config,
+            pool: Rc::new(RefCell::new(pool)),
+            waiting: VecDeque::new(),
+            running: Vec::new(),
+            preemptions: 0,
+        }
+    }
+
+    /// Queues a new request.
+    pub fn add(&mut self, id: u64, prompt: Vec<u32>, state: SequenceState, sink: E) {
+        let prompt_len = prompt.len();
+        self.waiting.push_back(Sequence {
+            id,
+            tokens: prompt,
+            prompt_len,
+            computed: 0,
+            cached_prompt_tokens: 0,
+            state,
+            sink,
+            blocks: BlockTable::new(&self.pool),
+            hashes: Vec::new(),
+        });
+    }
+
+    /// The running sequences, in admission order.
+    pub fn running(&self) -> &[Sequence<E>] {
+        &self.running
+    }
+
+    /// Mutable access to a running sequence.
+    pub fn running_mut(&mut self, index: usize) -> &mut Sequence<E> {
+        &mut self.running[index]
+    }
+
+    /// Number of requests waiting for admission.
+    pub fn num_waiting(&self) -> usize {
+        self.waiting.len()
+    }
+
+    /// Whether nothing is waiting or running.
+    pub fn is_idle(&self) -> bool {
+        self.waiting.is_empty() && self.running.is_empty()
+    }
+
+    /// Preemptions so far.
+    pub fn preemptions(&self) -> u64 {
+        self.preemptions
+    }
+
+    /// The block pool (for gauges and tests).
+    pub fn pool(&self) -> std::cell::Ref<'_, BlockPool> {
+        self.pool.borrow()
+    }
+
+    /// Removes (and returns) every sequence, waiting or running, for which `gone` holds;
+    /// their blocks go back to the pool as they are dropped.
+    pub fn remove_where(&mut self, mut gone: impl FnMut(&Sequence<E>) -> bool) -> Vec<Sequence<E>> {
+        let mut out = Vec::new();
+        let mut i = 0;
+        while i < self.running.len() {
+            if gone(&self.running[i]) {
+                out.push(self.running.remove(i));
+            } else {
+                i += 1;
+            }
+        }
+        let (keep, drop): (VecDeque<_>, VecDeque<_>) =
+            self.waiting.drain(..).partition(|s| !gone(s));
+        self.waiting = keep;
+        out.extend(drop);
+        out
+    }
+
+    /// Removes a finished running sequence.
+    pub fn finish(&mut self, index: usize) -> Sequence<E> {
+        self.running.remove(index)
+    }
+
+    /// Plans the next step: which sequences compute which tokens. Blocks for every planned
+    /// token are allocated before this returns.
+    pub fn schedule(&mut self) -> Vec<Scheduled> {
+        let mut budget = self.config.max_num_batched_tokens;
+        let mut plan = Vec::new();
+        let mut preempted = false;
+        let mut i = 0;
+        while i < self.running.len() {
+            let seq = &self.running[i];
+            let want = (seq.tokens.len() - seq.computed).min(budget);
+            if want == 0 {
+                i += 1;
+                continue;
+            }
+            let target = seq.computed + want;
+            if self.grow(i, target) {
+                plan.push(Scheduled {
+                    index: i,
+                    start: self.running[i].computed,
+                    len: want,
+                });
+                budget -= want;
+                i += 1;
+                continue;
+            }
+            // Out of blocks: give back the newest sequence's, possibly this one's.
+            preempted = true;
+            let victim = self.running.len() - 1;
+            self.preempt(victim);
+            if victim == i {
+                break;
+            }
+        }
+        if preempted {
+            return plan;
+        }
+        while budget > 0 && self.running.len() < self.config.max_num_seqs {
+            let Some(mut seq) = self.waiting.pop_front() else {
+                break;
+            };
+            if seq.computed == 0 && self.config.enable_prefix_caching {
+                self.match_prefix(&mut seq);
+            }
+            let want = (seq.tokens.len() - seq.computed).min(budget);
+            self.running.push(seq);
+            let index = self.running.len() - 1;
+            let target = self.running[index].computed + want;
+            if !self.grow(index, target) {
+                // Not enough blocks yet: back to the head of the queue, holding what it has.
+                if let Some(seq) = self.running.pop() {
+                    self.waiting.push_front(seq);
+                }
+                break;
+            }
+            plan.push(Scheduled {
+                index,
+                start: self.running[index].computed,
+                len: want,
+            });
+            budget -= want;
+        }
+        plan
+    }
+
+    /// Records that the planned tokens were computed, and indexes the blocks they filled.
+    pub fn complete(&mut self, plan: &[Scheduled]) {
+        let bs = self.pool.borrow().block_size();
+        for s in plan {
+            let seq = &mut self.running[s.index];
+            seq.computed = s.start + s.len;
+            if !self.config.enable_prefix_caching {
+                continue;
+            }
+            let mut pool = self.pool.borrow_mut();
+            while (seq.hashes.len() + 1) * bs <= seq.computed {
+                let b = seq.hashes.len();
+                let h = block_hash(
+                    seq.hashes.last().copied(),
+                    &seq.tokens[b * bs..(b + 1) * bs],
+                );
+                pool.register(seq.blocks.ids[b], h);
+                seq.hashes.push(h);
+            }
+        }
+    }
+
+    /// Ensures sequence `index` has blocks for `tokens` tokens.
+    fn grow(&mut self, index: usize, tokens: usize) -> bool {
+        let mut pool = self.pool.borrow_mut();
+        let table = &mut self.running[index].blocks;
+        let need = tokens
+            .div_ceil(pool.block_size())
+            .saturating_sub(table.ids.len());
+        if need > pool.num_available() {
+            return false;
+        }
+        for _ in 0..need {
+            match pool.allocate() {
+                Some(id) => table.ids.push(id),
+                None => return false,
+            }
+        }
+        true
+    }
+
+    /// Shares the cached blocks that hold this sequence's prefix. At least one token is
+    /// always left to compute, so the step produces logits.
+    fn match_prefix(&mut self, seq: &mut Sequence<E>) {
+        let mut pool = self.pool.borrow_mut();
+        let bs = pool.block_size();
+        let full = (seq.tokens.len() - 1) / bs;
+        seq.hashes.clear();
+        for b in 0..full {
+            let h = block_hash(
+                seq.hashes.last().copied(),
+                &seq.tokens[b * bs..(b + 1) * bs],
+            );
+            match pool.lookup(h) {
+                Some(id) => {
+                    seq.blocks.ids.push(id);
+                    seq.hashes.push(h);
+                }
+                None => break,
+            }
+        }
+        seq.computed = seq.hashes.len() * bs;
+        seq.cached_prompt_tokens = seq.computed.min(seq.prompt_len);
+    }
+
+    fn preempt(&mut self, index: usize) {
+        let mut seq = self.running.remove(index);
+        seq.blocks.release_all();
+        seq.hashes.clear();
+        seq.computed = 0;
+        self.preemptions += 1;
+        self.waiting.push_front(seq);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::sampling::SamplingParams;
+
+    fn sched(blocks: usize, seqs: usize, tokens: usize) -> Scheduler<()> {
+        let config = SchedulerConfig {
+            max_num_seqs: seqs,
+            max_num_batched_tokens: tokens,
+            enable_prefix_caching: true,
+        };
+        Scheduler::new(config, BlockPool::new(blocks, 4))
+    }
+
+    fn add(s: &mut Scheduler<()>, id: u64, len: usize) {
+        let prompt: Vec<u32> = (0..len as u32).collect();
+        let state = SequenceState::new(&prompt, SamplingParams::greedy(8), &[]);
+        s.add(id, prompt, state, ());
+    }
+
+    #[test]
+    fn long_prompts_are_chunked_and_decodes_keep_running() {
+        let mut s = sched(64, 8, 8);
+        add(&mut s, 1, 3);
+        let plan = s.schedule();
+        assert_eq!(
+            plan,
+            vec![Scheduled {
+                index: 0,
+                start: 0,
+                len: 3
+            }]
+        );
+        s.complete(&plan);
+        s.running_mut(0).tokens.push(99);
+        add(&mut s, 2, 20);
+        // The decode of 1 and a 7-token chunk of 2's prompt share the 8-token budget.
+        let plan = s.schedule();
+        assert_eq!(
+            plan,
+            vec![
+                Scheduled {
+                    index: 0,
+                    start: 3,
+                    len: 1
+                },
+                Scheduled {
+                    index: 1,
+                    start: 0,
+                    len: 7
+                }
+            ]
+        );
+        s.complete(&plan);
+        s.running_mut(0).tokens.push(98);
+        let plan = s.schedule();
+        assert_eq!(
+            plan[1],
+            Scheduled {
+                index: 1,
+                start: 7,
+                len: 7
+            }
+        );
+    }
+
+    #[test]
+    fn the_newest_sequence_is_preempted_when_blocks_run_out() {
+        let mut s = sched(3, 8, 64);
+        add(&mut s, 1, 4);
+        add(&mut s, 2, 4);
+        let plan = s.schedule();
+        assert_eq!(plan.len(), 2);
+        s.complete(&plan);
+        for i in 0..2 {
+            s.running_mut(i).tokens.push(7);
+        }
+        // Both need a second block; only one is left: sequence 2 gives its block back.
+        let plan = s.schedule();
+        assert_eq!(
+            plan,
+            vec![Scheduled {
+                index: 0,
+                start: 4,
+                len: 1
+            }]
+        );
+        assert_eq!(s.preemptions(), 1);
+        assert_eq!(s.num_waiting(), 1);
+        s.complete(&plan);
+        drop(s.finish(0));
+        let plan = s.schedule();
+        // Recomputed from scratch: its prompt block is found in the prefix cache.
+        assert_eq!(
+            plan,
+            vec![Scheduled {
+                index: 0,
+                start: 4,
+                len: 1
+            }]
+        );
+    }
+
+    #[test]
+    fn dropped_sequences_return_every_block() {
+        let mut s = sched(8, 8, 64);
+        add(&mut s, 1, 9);
+        add(&mut s, 2, 5);
+        let plan = s.schedule();
+        s.complete(&plan);
+        assert!(s.pool().num_used() > 0);
+        let gone = s.remove_where(|_| true);
+        drop(gone);
+        assert_eq!(s.pool().num_used(), 0);
+    }
+}

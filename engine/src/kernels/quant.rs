@@ -92,7 +92,11 @@ impl QuantMatrix {
             .map(|r| quantize_row(r, with_sums))
             .collect();
         let row_bytes = self.cols / BLOCK * self.format.block_bytes();
-        let (dot, dot4) = (dot_kernel(self.format), dot4_kernel(self.format));
+        let (dot, dot4, tile) = (
+            dot_kernel(self.format),
+            dot4_kernel(self.format),
+            tile_kernel(),
+        );
         // Column-major scratch so each task owns whole weight rows.
         let mut out_t = vec![0f32; self.rows * m];
         out_t
@@ -106,9 +110,17 @@ impl QuantMatrix {
                 let quads = n / 4 * 4;
                 for r in (0..quads).step_by(4) {
                     let w = [row(r), row(r + 1), row(r + 2), row(r + 3)];
-                    for (i, a) in acts.iter().enumerate() {
-                        let v = dot4(w, a);
+                    if m == 1 {
+                        let v = dot4(w, &acts[0]);
                         for (j, v) in v.into_iter().enumerate() {
+                            dst[r + j] = v;
+                        }
+                        continue;
+                    }
+                    // Unpack the four rows once, then stream the activation rows past them.
+                    let unpacked = Unpacked::new(self.format, w);
+                    for (i, a) in acts.iter().enumerate() {
+                        for (j, v) in tile(&unpacked, a).into_iter().enumerate() {
                             dst[(r + j) * m + i] = v;
                         }
                     }
@@ -130,6 +142,81 @@ impl QuantMatrix {
         }
         out
     }
+}
+
+/// Four weight rows with their blocks unpacked to 32 bytes each, block-major, so a batch of
+/// activation rows can reuse them from L1 without unpacking nibbles again.
+#[derive(Debug)]
+pub struct Unpacked {
+    /// `[block][row]` → 32 values (unsigned 0..16 for Q4_1, signed otherwise).
+    q: Vec<[i8; BLOCK]>,
+    /// `[block][row]` scales.
+    d: Vec<f32>,
+    /// `[block][row]` minimums (Q4_1) or zeros.
+    m: Vec<f32>,
+    signed: bool,
+}
+
+impl Unpacked {
+    fn new(format: WeightFormat, rows: [&[u8]; 4]) -> Self {
+        let stride = format.block_bytes();
+        let nb = rows[0].len() / stride;
+        let mut u = Unpacked {
+            q: Vec::with_capacity(nb * 4),
+            d: Vec::with_capacity(nb * 4),
+            m: Vec::with_capacity(nb * 4),
+            signed: format != WeightFormat::Q4_1,
+        };
+        for i in 0..nb {
+            for row in rows {
+                let b = &row[i * stride..(i + 1) * stride];
+                u.d.push(f16_at(b, 0));
+                match format {
+                    WeightFormat::Q4_1 => {
+                        u.m.push(f16_at(b, 2));
+                        u.q.push(nibbles(&b[4..], 0));
+                    }
+                    WeightFormat::Q4_0 => {
+                        u.m.push(0.0);
+                        u.q.push(nibbles(&b[2..], 8));
+                    }
+                    WeightFormat::Q8_0 => {
+                        u.m.push(0.0);
+                        u.q.push(std::array::from_fn(|j| b[2 + j] as i8));
+                    }
+                }
+            }
+        }
+        u
+    }
+}
+
+/// Four unpacked weight rows against one activation row; the arithmetic of each output is
+/// exactly that of [`dot_kernel`] for its row.
+type Tile = fn(&Unpacked, &QuantizedRow) -> [f32; 4];
+
+fn tile_kernel() -> Tile {
+    #[cfg(target_arch = "x86_64")]
+    if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma") {
+        return x86::tile;
+    }
+    tile_portable
+}
+
+fn tile_portable(u: &Unpacked, a: &QuantizedRow) -> [f32; 4] {
+    let mut acc = [[0f32; 8]; 4];
+    let mut summs = [0f32; 4];
+    for i in 0..a.d.len() {
+        for r in 0..4 {
+            let k = i * 4 + r;
+            if !u.signed {
+                summs[r] = u.m[k].mul_add(a.s[i], summs[r]);
+            }
+            let lanes = block_lanes(&u.q[k], &a.q[i * BLOCK..(i + 1) * BLOCK]);
+            accumulate(&mut acc[r], u.d[k] * a.d[i], lanes);
+        }
+    }
+    [0, 1, 2, 3].map(|r| hsum8(acc[r]) + if u.signed { 0.0 } else { summs[r] })
 }
 
 /// Four weight rows against one activation row: four independent accumulator chains, each
@@ -434,6 +521,33 @@ mod x86 {
             acc = signed_block(b, a, i, activation(a, i), acc, four_bit);
         }
         hsum8(lanes(acc))
+    }
+
+    #[target_feature(enable = "avx2,fma")]
+    fn tile_avx2(u: &super::Unpacked, a: &QuantizedRow) -> [f32; 4] {
+        let mut acc = [_mm256_setzero_ps(); 4];
+        let mut summs = [0f32; 4];
+        for i in 0..a.d.len() {
+            let qy = activation(a, i);
+            for r in 0..4 {
+                let k = i * 4 + r;
+                // SAFETY: each unpacked block is exactly 32 bytes; loadu is unaligned.
+                let qx = unsafe { _mm256_loadu_si256(u.q[k].as_ptr().cast()) };
+                let prod = if u.signed {
+                    lane_sums(_mm256_sign_epi8(qx, qx), _mm256_sign_epi8(qy, qx))
+                } else {
+                    summs[r] = u.m[k].mul_add(a.s[i], summs[r]);
+                    lane_sums(qx, qy)
+                };
+                acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(u.d[k] * a.d[i]), prod, acc[r]);
+            }
+        }
+        [0, 1, 2, 3].map(|r| hsum8(lanes(acc[r])) + if u.signed { 0.0 } else { summs[r] })
+    }
+
+    pub(super) fn tile(u: &super::Unpacked, a: &QuantizedRow) -> [f32; 4] {
+        // SAFETY: chosen only after `is_x86_feature_detected!` found avx2 and fma.
+        unsafe { tile_avx2(u, a) }
     }
 
     pub(super) fn dot4_q4_1(w: [&[u8]; 4], a: &QuantizedRow) -> [f32; 4] {

@@ -6,7 +6,7 @@ CARGO ?= cargo
 MODEL := models/SmolLM2-135M-Instruct.Q4_1.gguf
 export FERRITE_TEST_MODEL := $(CURDIR)/$(MODEL)
 
-.PHONY: all model pyenv build test fmt fmt-check lint bench clean
+.PHONY: all model pyenv build run test fmt fmt-check lint bench clean
 
 all: build
 
@@ -22,10 +22,16 @@ pyenv:
 build:
 	$(CARGO) build --release
 
+## run: serve the default model on localhost:8000 with the OpenAI API (model name smollm2)
+run: model build
+	./target/release/ferrite-engine serve --model $(MODEL) --served-model-name smollm2 --port 8000
+
 ## test: the whole suite (fetches the model and test tools first)
 test: model pyenv
 	FERRITE_PYTHON="$$(scripts/python-env.sh)" $(CARGO) test --workspace --all-targets
 	$(CARGO) test --workspace --doc
+	$(CARGO) build --release --bin ferrite-engine
+	FERRITE_BIN=$(CURDIR)/target/release/ferrite-engine "$$(scripts/python-env.sh)" -m pytest -q tests/api
 
 fmt:
 	$(CARGO) fmt --all

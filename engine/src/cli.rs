@@ -28,6 +28,45 @@ pub enum Command {
     Generate(Box<GenerateArgs>),
     /// Measure prompt processing, single-stream decode and the memory-bandwidth bound.
     Bench(BenchArgs),
+    /// Serve the model over the OpenAI-compatible HTTP API.
+    Serve(Box<ServeArgs>),
+}
+
+/// Where and how the HTTP server listens.
+#[derive(Debug, Args)]
+pub struct ServerArgs {
+    /// Address to bind.
+    #[arg(long, env = "FERRITE_HOST", default_value = "0.0.0.0")]
+    pub host: String,
+    /// Port to bind.
+    #[arg(long, env = "FERRITE_PORT", default_value_t = 8000)]
+    pub port: u16,
+    /// The `model` name clients use; default: the model file or directory name.
+    #[arg(long, env = "FERRITE_SERVED_MODEL_NAME")]
+    pub served_model_name: Option<String>,
+    /// Requests that may wait for admission; beyond this new requests get 503.
+    #[arg(long, default_value_t = 1024)]
+    pub max_waiting_requests: usize,
+    /// Seconds in-flight requests may run after SIGTERM.
+    #[arg(long, default_value_t = 30)]
+    pub shutdown_timeout: u64,
+}
+
+/// Flags of `ferrite-engine serve`.
+#[derive(Debug, Args)]
+pub struct ServeArgs {
+    /// The model.
+    #[command(flatten)]
+    pub model: ModelArgs,
+    /// HTTP.
+    #[command(flatten)]
+    pub server: ServerArgs,
+    /// KV cache.
+    #[command(flatten)]
+    pub cache: CacheArgs,
+    /// Batching.
+    #[command(flatten)]
+    pub scheduler: SchedulerArgs,
 }
 
 /// Which model to load.
@@ -220,7 +259,79 @@ pub fn run(cli: Cli) -> Result<()> {
     match cli.command {
         Command::Generate(args) => generate(*args),
         Command::Bench(args) => crate::bench::run(&args),
+        Command::Serve(args) => serve(*args),
     }
+}
+
+/// Where Kubernetes reads a container's termination message.
+const TERMINATION_LOG: &str = "/dev/termination-log";
+
+fn serve(args: ServeArgs) -> Result<()> {
+    use crate::server::{run as run_server, shutdown_signal, AppState, ServerConfig};
+    let err = |e: &dyn std::fmt::Display| Error::Server(e.to_string());
+    let name = args.server.served_model_name.clone().unwrap_or_else(|| {
+        let p = &args.model.model;
+        let stem = if p.is_dir() {
+            p.file_name()
+        } else {
+            p.file_stem()
+        };
+        stem.map(|s| s.to_string_lossy().into_owned())
+            .unwrap_or_else(|| "model".into())
+    });
+    let config = ServerConfig {
+        served_model_name: name,
+        max_waiting_requests: args.server.max_waiting_requests,
+        shutdown_timeout: std::time::Duration::from_secs(args.server.shutdown_timeout),
+    };
+    let engine_config = engine_config(&args.cache, &args.scheduler);
+    let path = args.model.model.clone();
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .map_err(|e| err(&e))?;
+    let result = runtime.block_on(async move {
+        let state = AppState::new(config).map_err(|e| err(&e))?;
+        let addr = (args.server.host.as_str(), args.server.port);
+        let listener = tokio::net::TcpListener::bind(addr).await.map_err(|e| {
+            Error::Server(format!(
+                "cannot listen on {}:{}: {e}",
+                args.server.host, args.server.port
+            ))
+        })?;
+        tracing::info!(
+            "listening on http://{}",
+            listener.local_addr().map_err(|e| err(&e))?
+        );
+        let server = tokio::spawn(run_server(
+            listener,
+            std::sync::Arc::clone(&state),
+            shutdown_signal(),
+        ));
+        let load_state = std::sync::Arc::clone(&state);
+        tokio::task::spawn_blocking(move || -> Result<()> {
+            let loaded = crate::model::load(&path, &Device::Cpu)?;
+            let tokenizer = loaded.tokenizer.clone();
+            let engine = EngineHandle::start(loaded, engine_config)?;
+            load_state.set_ready(engine, tokenizer);
+            tracing::info!(
+                "model loaded; serving `{}`",
+                load_state.config.served_model_name
+            );
+            Ok(())
+        })
+        .await
+        .map_err(|e| err(&e))??;
+        server.await.map_err(|e| err(&e))?.map_err(|e| err(&e))
+    });
+    if let Err(e) = &result {
+        // Kubernetes shows this file as the container's termination message.
+        if std::path::Path::new(TERMINATION_LOG).exists() {
+            let _ = std::fs::write(TERMINATION_LOG, e.to_string());
+        }
+    }
+    result
 }
 
 fn generate(args: GenerateArgs) -> Result<()> {

@@ -5,6 +5,7 @@
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{mpsc, Arc, Mutex};
+use std::time::Instant;
 use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver, UnboundedSender};
 
 use crate::error::{Error, Result};
@@ -68,7 +69,7 @@ pub enum Event {
 }
 
 /// How a request ended, with its token counts.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq)]
 pub struct Finish {
     /// Why generation stopped.
     pub reason: FinishReason,
@@ -78,6 +79,8 @@ pub struct Finish {
     pub completion_tokens: usize,
     /// Prompt tokens served from the prefix cache.
     pub cached_tokens: usize,
+    /// Seconds from arrival until the request was first scheduled.
+    pub queue_seconds: f64,
 }
 
 /// Gauges and counters of the engine, updated every step.
@@ -120,9 +123,34 @@ pub struct EngineInfo {
     pub max_model_len: usize,
     /// Vocabulary size of the model.
     pub vocab_size: usize,
+    /// The `--gpu-memory-utilization` the cache was sized with.
+    pub utilization: f64,
+    /// Whether prefix caching is on.
+    pub prefix_caching: bool,
+}
+
+/// Where a sequence's events go, and when it arrived and was first scheduled.
+struct Sink {
+    events: UnboundedSender<Event>,
+    arrived: Instant,
+    scheduled: Option<Instant>,
+}
+
+impl Sink {
+    fn finish(&self, seq_prompt: usize, seq_len: usize, cached: usize, reason: FinishReason) {
+        let queued = self.scheduled.unwrap_or_else(Instant::now) - self.arrived;
+        let _ = self.events.send(Event::Finished(Finish {
+            reason,
+            prompt_tokens: seq_prompt,
+            completion_tokens: seq_len - seq_prompt,
+            cached_tokens: cached,
+            queue_seconds: queued.as_secs_f64(),
+        }));
+    }
 }
 
 struct Request {
+    arrived: Instant,
     id: u64,
     prompt: Vec<u32>,
     params: SamplingParams,
@@ -255,6 +283,8 @@ impl EngineHandle {
                 cache: plan.clone(),
                 max_model_len,
                 vocab_size: c.vocab_size,
+                utilization: config.gpu_memory_utilization,
+                prefix_caching: config.enable_prefix_caching,
             },
             stats: Mutex::new(EngineStats {
                 total_blocks: plan.num_blocks,
@@ -326,6 +356,7 @@ impl EngineHandle {
         let id = self.shared.next_id.fetch_add(1, Ordering::Relaxed);
         self.tx
             .send(Request {
+                arrived: Instant::now(),
                 id,
                 prompt,
                 params,
@@ -339,7 +370,7 @@ impl EngineHandle {
 struct EngineLoop {
     model: LoadedModel,
     cache: Box<dyn PagedCache>,
-    sched: Scheduler<UnboundedSender<Event>>,
+    sched: Scheduler<Sink>,
     shared: Arc<Shared>,
 }
 
@@ -366,17 +397,13 @@ impl EngineLoop {
                     }
                 }
             }
-            drop(self.sched.remove_where(|s| s.sink.is_closed()));
+            drop(self.sched.remove_where(|s| s.sink.events.is_closed()));
             if let Err(e) = self.step() {
                 tracing::error!("engine step failed: {e}");
                 // Nothing can be computed reliably any more: end every request with abort.
                 for seq in self.sched.remove_where(|_| true) {
-                    let _ = seq.sink.send(Event::Finished(Finish {
-                        reason: FinishReason::Abort,
-                        prompt_tokens: seq.prompt_len,
-                        completion_tokens: seq.tokens.len() - seq.prompt_len,
-                        cached_tokens: seq.cached_prompt_tokens,
-                    }));
+                    let (p, n, c) = (seq.prompt_len, seq.tokens.len(), seq.cached_prompt_tokens);
+                    seq.sink.finish(p, n, c, FinishReason::Abort);
                 }
             }
             self.publish();
@@ -389,7 +416,12 @@ impl EngineLoop {
             req.params,
             self.model.tokenizer.stop_token_ids(),
         );
-        self.sched.add(req.id, req.prompt, state, req.events);
+        let sink = Sink {
+            events: req.events,
+            arrived: req.arrived,
+            scheduled: None,
+        };
+        self.sched.add(req.id, req.prompt, state, sink);
     }
 
     fn step(&mut self) -> Result<()> {
@@ -400,6 +432,14 @@ impl EngineLoop {
         let (mut tokens, mut positions, mut seqs, mut tables, mut rows) =
             (Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new());
         let mut prompt_tokens = 0u64;
+        let now = Instant::now();
+        for s in &plan {
+            self.sched
+                .running_mut(s.index)
+                .sink
+                .scheduled
+                .get_or_insert(now);
+        }
         for (slot, s) in plan.iter().enumerate() {
             let seq = &self.sched.running()[s.index];
             let start = tokens.len();
@@ -438,17 +478,13 @@ impl EngineLoop {
             let step = seq.state.step(&mut row, &self.model.tokenizer)?;
             generated += 1;
             seq.tokens.push(step.token.id);
-            let _ = seq.sink.send(Event::Token {
+            let _ = seq.sink.events.send(Event::Token {
                 token: step.token,
                 text: step.text,
             });
             if let Some(reason) = step.finished {
-                let _ = seq.sink.send(Event::Finished(Finish {
-                    reason,
-                    prompt_tokens: seq.prompt_len,
-                    completion_tokens: seq.tokens.len() - seq.prompt_len,
-                    cached_tokens: seq.cached_prompt_tokens,
-                }));
+                let (p, n, c) = (seq.prompt_len, seq.tokens.len(), seq.cached_prompt_tokens);
+                seq.sink.finish(p, n, c, reason);
                 finished.push(s.index);
             }
         }

@@ -22,6 +22,9 @@ pub enum Error {
     /// A request parameter is outside its allowed range.
     #[error("{0}")]
     InvalidParameter(String),
+    /// The HTTP server could not start or stopped with an error.
+    #[error("server: {0}")]
+    Server(String),
     /// A tensor operation failed (a bug or an inconsistent model file).
     #[error("tensor: {0}")]
     Tensor(#[from] candle_core::Error),

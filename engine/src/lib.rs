@@ -12,6 +12,7 @@ pub mod model;
 pub mod sampling;
 pub mod scheduler;
 pub mod sequence;
+pub mod server;
 pub mod tokenizer;
 
 pub use error::{Error, Result};

@@ -142,6 +142,7 @@ fn a_prompt_four_times_the_token_budget_is_chunked_and_unchanged() {
         },
     ));
     assert_eq!(batched(&engine, &[p], 8), vec![want]);
+    wait_idle(&engine);
     assert!(
         engine.stats().steps >= 4 + 7,
         "prefill took at least four steps"
@@ -166,6 +167,7 @@ fn a_shared_prefix_is_computed_once_and_changes_nothing() {
 
     let engine = start(small(64, EngineConfig::default()));
     batched(&engine, &[first], 4);
+    wait_idle(&engine);
     let before = engine.stats();
     let params = SamplingParams {
         ignore_eos: true,
@@ -176,6 +178,7 @@ fn a_shared_prefix_is_computed_once_and_changes_nothing() {
         .expect("accepted")
         .collect_blocking()
         .expect("completes");
+    wait_idle(&engine);
     let after = engine.stats();
     assert_eq!(vec![tokens.iter().map(|t| t.id).collect::<Vec<_>>()], want);
     // Four full blocks (64 tokens) came from the cache; only the 10 new tokens were computed.
@@ -200,8 +203,8 @@ fn dropping_a_request_mid_generation_frees_its_blocks() {
     for _ in 0..3 {
         assert!(matches!(doomed.next_blocking(), Some(Event::Token { .. })));
     }
-    let others = batched(&engine, &ps[1..], 6);
     drop(doomed);
+    let others = batched(&engine, &ps[1..], 6);
     assert_eq!(others.len(), 2);
     wait_idle(&engine);
     let st = engine.stats();

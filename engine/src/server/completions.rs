@@ -1,0 +1,528 @@
+//! `/v1/completions` and `/v1/chat/completions`: validate, tokenize, submit one engine
+//! request per prompt and choice, then answer with one JSON body or a stream of
+//! Server-Sent Events ending in `data: [DONE]`.
+
+use std::convert::Infallible;
+use std::sync::Arc;
+use std::time::Instant;
+
+use axum::body::Bytes;
+use axum::extract::State;
+use axum::response::sse::{Event as SseEvent, Sse};
+use axum::response::{IntoResponse, Response};
+use axum::Json;
+use futures::stream::{self, Stream, StreamExt};
+use serde_json::{json, Value};
+
+use super::errors::ApiError;
+use super::openai::{ChatRequest, CompletionRequest, Prompt, CHAT_FIELDS, COMPLETION_FIELDS};
+use super::{AppState, Ready};
+use crate::engine::{Event, Finish, RequestStream};
+use crate::sampling::SamplingParams;
+use crate::sequence::TokenOutput;
+
+/// Which endpoint a response is shaped for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Kind {
+    Completion,
+    Chat,
+}
+
+/// Parses a JSON body, refusing malformed JSON and unknown fields by name.
+fn parse<T: serde::de::DeserializeOwned>(body: &Bytes, known: &[&str]) -> Result<T, ApiError> {
+    let value: Value = serde_json::from_slice(body).map_err(|e| {
+        ApiError::bad_request(format!("the request body is not valid JSON: {e}"), None)
+    })?;
+    let Some(obj) = value.as_object() else {
+        return Err(ApiError::bad_request(
+            "the request body must be a JSON object",
+            None,
+        ));
+    };
+    if let Some(k) = obj.keys().find(|k| !known.contains(&k.as_str())) {
+        return Err(ApiError::bad_request(
+            format!(
+                "unrecognized request argument `{k}`; accepted: {}",
+                known.join(", ")
+            ),
+            Some(k),
+        ));
+    }
+    serde_json::from_value(value)
+        .map_err(|e| ApiError::bad_request(format!("invalid request: {e}"), None))
+}
+
+/// One engine request: a prompt and the choice it answers.
+struct Job {
+    prompt: Vec<u32>,
+    /// Which prompt (for usage, counted once per prompt) and which choice.
+    prompt_index: usize,
+    choice: usize,
+}
+
+/// Submits every job, refusing new work while draining or when the queue is full.
+fn submit(
+    ready: &Ready,
+    state: &AppState,
+    jobs: &[Job],
+    params: &SamplingParams,
+) -> Result<Vec<RequestStream>, ApiError> {
+    if state.draining() {
+        return Err(ApiError::unavailable("the server is shutting down"));
+    }
+    let waiting = ready.engine.stats().waiting;
+    if waiting >= state.config.max_waiting_requests {
+        return Err(ApiError::unavailable(format!(
+            "the waiting queue is full ({waiting} requests, --max-waiting-requests {}); retry later",
+            state.config.max_waiting_requests
+        )));
+    }
+    jobs.iter()
+        .map(|j| {
+            let mut p = params.clone();
+            // n choices from one seed must differ yet stay reproducible.
+            p.seed = p.seed.map(|s| s.wrapping_add(j.choice as u64));
+            ready
+                .engine
+                .submit(j.prompt.clone(), p)
+                .map_err(ApiError::from)
+        })
+        .collect()
+}
+
+/// Per-request latency bookkeeping for the metrics.
+struct Tracker {
+    arrived: Instant,
+    last: Option<Instant>,
+    state: Arc<AppState>,
+}
+
+impl Tracker {
+    fn token(&mut self) {
+        let now = Instant::now();
+        match self.last {
+            None => self
+                .state
+                .metrics
+                .ttft
+                .observe((now - self.arrived).as_secs_f64()),
+            Some(t) => self
+                .state
+                .metrics
+                .inter_token
+                .observe((now - t).as_secs_f64()),
+        }
+        self.last = Some(now);
+    }
+
+    fn finish(&self, f: &Finish) {
+        let m = &self.state.metrics;
+        m.e2e.observe(self.arrived.elapsed().as_secs_f64());
+        m.queue_time.observe(f.queue_seconds);
+        m.prompt_tokens.inc_by(f.prompt_tokens as u64);
+        m.generation_tokens.inc_by(f.completion_tokens as u64);
+        m.success.with_label_values(&[f.reason.as_str()]).inc();
+    }
+}
+
+/// A finished choice.
+struct Choice {
+    tokens: Vec<TokenOutput>,
+    text: String,
+    finish: Finish,
+}
+
+async fn collect(mut stream: RequestStream, mut tracker: Tracker) -> Result<Choice, ApiError> {
+    let (mut tokens, mut text) = (Vec::new(), String::new());
+    while let Some(ev) = stream.next().await {
+        match ev {
+            Event::Token { token, text: t } => {
+                tracker.token();
+                tokens.push(token);
+                text.push_str(&t);
+            }
+            Event::Finished(finish) => {
+                tracker.finish(&finish);
+                return Ok(Choice {
+                    tokens,
+                    text,
+                    finish,
+                });
+            }
+        }
+    }
+    Err(ApiError::unavailable(
+        "the engine stopped before the request finished",
+    ))
+}
+
+fn usage(prompt_tokens: usize, completion_tokens: usize, cached: usize) -> Value {
+    json!({
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached},
+    })
+}
+
+fn now_unix() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .unwrap_or(0)
+}
+
+fn request_id(prefix: &str) -> String {
+    format!("{prefix}-{:032x}", rand::random::<u128>())
+}
+
+/// Log-probabilities in the shape of each endpoint.
+fn logprobs_json(ready: &Ready, kind: Kind, tokens: &[TokenOutput], offset: usize) -> Value {
+    let text = |id: u32| ready.tokenizer.token_text(id);
+    match kind {
+        Kind::Completion => {
+            let mut at = offset;
+            let mut offsets = Vec::new();
+            for t in tokens {
+                offsets.push(at);
+                at += text(t.id).len();
+            }
+            json!({
+                "tokens": tokens.iter().map(|t| text(t.id)).collect::<Vec<_>>(),
+                "token_logprobs": tokens.iter().map(|t| t.logprob).collect::<Vec<_>>(),
+                "top_logprobs": tokens.iter().map(|t| {
+                    t.top.iter().map(|&(id, lp)| (text(id), json!(lp))).collect::<serde_json::Map<_, _>>()
+                }).collect::<Vec<_>>(),
+                "text_offset": offsets,
+            })
+        }
+        Kind::Chat => {
+            let entry = |id: u32, lp: f32| {
+                let t = text(id);
+                json!({"token": t, "logprob": lp, "bytes": t.as_bytes()})
+            };
+            json!({"content": tokens.iter().map(|t| {
+                let mut e = entry(t.id, t.logprob);
+                e["top_logprobs"] = Value::Array(t.top.iter().map(|&(id, lp)| entry(id, lp)).collect());
+                e
+            }).collect::<Vec<_>>()})
+        }
+    }
+}
+
+/// Everything a response needs besides the streams.
+struct Plan {
+    kind: Kind,
+    id: String,
+    created: u64,
+    model: String,
+    jobs: Vec<Job>,
+    prompts: Vec<usize>,
+    /// Text to prepend to each prompt's choices (`echo`).
+    echo: Vec<String>,
+    logprobs: bool,
+    include_usage: bool,
+}
+
+async fn respond(
+    state: Arc<AppState>,
+    ready: Arc<Ready>,
+    plan: Plan,
+    params: SamplingParams,
+    stream: bool,
+) -> Result<Response, ApiError> {
+    let arrived = Instant::now();
+    let streams = submit(&ready, &state, &plan.jobs, &params)?;
+    if stream {
+        return Ok(sse(state, ready, plan, streams, arrived).into_response());
+    }
+    let tracker = |_: usize| Tracker {
+        arrived,
+        last: None,
+        state: Arc::clone(&state),
+    };
+    let choices = futures::future::join_all(
+        streams
+            .into_iter()
+            .enumerate()
+            .map(|(i, s)| collect(s, tracker(i))),
+    )
+    .await;
+    let mut out = Vec::new();
+    let (mut completion_tokens, mut cached) = (0, 0);
+    for (job, choice) in plan.jobs.iter().zip(choices) {
+        let c = choice?;
+        completion_tokens += c.finish.completion_tokens;
+        if job.choice == 0 {
+            cached += c.finish.cached_tokens;
+        }
+        let echo = plan
+            .echo
+            .get(job.prompt_index)
+            .map(String::as_str)
+            .unwrap_or("");
+        let logprobs = plan
+            .logprobs
+            .then(|| logprobs_json(&ready, plan.kind, &c.tokens, echo.len()));
+        let index = out.len();
+        out.push(match plan.kind {
+            Kind::Completion => json!({
+                "index": index,
+                "text": format!("{echo}{}", c.text),
+                "logprobs": logprobs,
+                "finish_reason": c.finish.reason.as_str(),
+            }),
+            Kind::Chat => json!({
+                "index": index,
+                "message": {"role": "assistant", "content": c.text},
+                "logprobs": logprobs,
+                "finish_reason": c.finish.reason.as_str(),
+            }),
+        });
+    }
+    let object = if plan.kind == Kind::Chat {
+        "chat.completion"
+    } else {
+        "text_completion"
+    };
+    let prompt_tokens: usize = plan.prompts.iter().sum();
+    Ok(Json(json!({
+        "id": plan.id,
+        "object": object,
+        "created": plan.created,
+        "model": plan.model,
+        "choices": out,
+        "usage": usage(prompt_tokens, completion_tokens, cached),
+    }))
+    .into_response())
+}
+
+/// Streams every choice's tokens as chunks, then the usage chunk if asked, then `[DONE]`.
+fn sse(
+    state: Arc<AppState>,
+    ready: Arc<Ready>,
+    plan: Plan,
+    streams: Vec<RequestStream>,
+    arrived: Instant,
+) -> Sse<impl Stream<Item = Result<SseEvent, Infallible>>> {
+    let n = streams.len();
+    let merged = stream::select_all(streams.into_iter().enumerate().map(|(i, s)| {
+        Box::pin(
+            stream::unfold(s, |mut s| async move { s.next().await.map(|ev| (ev, s)) })
+                .map(move |ev| (i, ev)),
+        )
+    }));
+    let plan = Arc::new(plan);
+    let trackers: Vec<Tracker> = (0..n)
+        .map(|_| Tracker {
+            arrived,
+            last: None,
+            state: Arc::clone(&state),
+        })
+        .collect();
+    let chunk_object = if plan.kind == Kind::Chat {
+        "chat.completion.chunk"
+    } else {
+        "text_completion"
+    };
+    let envelope = {
+        let plan = Arc::clone(&plan);
+        move |choices: Value| json!({"id": plan.id, "object": chunk_object, "created": plan.created, "model": plan.model, "choices": choices})
+    };
+    // First chunks: the assistant role for chat, the echoed prompt for completions.
+    let mut opening = Vec::new();
+    for (i, job) in plan.jobs.iter().enumerate() {
+        let first = match plan.kind {
+            Kind::Chat => Some(
+                json!({"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": null, "finish_reason": null}),
+            ),
+            Kind::Completion => plan
+                .echo
+                .get(job.prompt_index)
+                .filter(|e| !e.is_empty())
+                .map(|e| json!({"index": i, "text": e, "logprobs": null, "finish_reason": null})),
+        };
+        if let Some(c) = first {
+            opening.push(envelope(json!([c])));
+        }
+    }
+    struct Acc {
+        trackers: Vec<Tracker>,
+        open: usize,
+        completion_tokens: usize,
+        cached: usize,
+        offsets: Vec<usize>,
+    }
+    let acc = Acc {
+        trackers,
+        open: n,
+        completion_tokens: 0,
+        cached: 0,
+        offsets: vec![0; n],
+    };
+    let body = merged
+        .scan(acc, {
+            let plan = Arc::clone(&plan);
+            let envelope = envelope.clone();
+            move |acc, (i, ev)| {
+                let out = match ev {
+                    Event::Token { token, text } => {
+                        acc.trackers[i].token();
+                        let logprobs = plan.logprobs.then(|| logprobs_json(&ready, plan.kind, std::slice::from_ref(&token), acc.offsets[i]));
+                        acc.offsets[i] += ready.tokenizer.token_text(token.id).len();
+                        if text.is_empty() && logprobs.is_none() {
+                            Vec::new()
+                        } else {
+                            vec![envelope(json!([match plan.kind {
+                                Kind::Chat => json!({"index": i, "delta": {"content": text}, "logprobs": logprobs, "finish_reason": null}),
+                                Kind::Completion => json!({"index": i, "text": text, "logprobs": logprobs, "finish_reason": null}),
+                            }]))]
+                        }
+                    }
+                    Event::Finished(f) => {
+                        acc.trackers[i].finish(&f);
+                        acc.open -= 1;
+                        acc.completion_tokens += f.completion_tokens;
+                        if plan.jobs[i].choice == 0 {
+                            acc.cached += f.cached_tokens;
+                        }
+                        let reason = f.reason.as_str();
+                        let mut chunks = vec![envelope(json!([match plan.kind {
+                            Kind::Chat => json!({"index": i, "delta": {}, "logprobs": null, "finish_reason": reason}),
+                            Kind::Completion => json!({"index": i, "text": "", "logprobs": null, "finish_reason": reason}),
+                        }]))];
+                        if acc.open == 0 && plan.include_usage {
+                            let mut u = envelope(json!([]));
+                            u["usage"] = usage(plan.prompts.iter().sum(), acc.completion_tokens, acc.cached);
+                            chunks.push(u);
+                        }
+                        chunks
+                    }
+                };
+                futures::future::ready(Some(out))
+            }
+        })
+        .flat_map(stream::iter);
+    let events = stream::iter(opening)
+        .chain(body)
+        .map(|v| Ok(SseEvent::default().data(v.to_string())))
+        .chain(stream::once(async {
+            Ok(SseEvent::default().data("[DONE]"))
+        }));
+    Sse::new(events)
+}
+
+/// `POST /v1/completions`.
+pub async fn completions(
+    State(state): State<Arc<AppState>>,
+    body: Bytes,
+) -> Result<Response, ApiError> {
+    let ready = state.ready()?;
+    let req: CompletionRequest = parse(&body, COMPLETION_FIELDS)?;
+    state.check_model(&req.model)?;
+    let n = req.sampling.n()?;
+    let echo = req.echo.unwrap_or(false);
+    if echo && req.logprobs.is_some() {
+        return Err(ApiError::bad_request("`echo` together with `logprobs` is not supported (prompt log-probabilities are not computed)", Some("echo")));
+    }
+    let tk = &ready.tokenizer;
+    let prompts: Vec<Vec<u32>> = match &req.prompt {
+        Prompt::Text(t) => vec![tk.encode(t, true)?],
+        Prompt::Texts(ts) => ts
+            .iter()
+            .map(|t| tk.encode(t, true))
+            .collect::<Result<_, _>>()?,
+        Prompt::Tokens(ids) => vec![ids.clone()],
+        Prompt::TokenLists(l) => l.clone(),
+    };
+    if prompts.is_empty() || prompts.iter().any(Vec::is_empty) {
+        return Err(ApiError::bad_request(
+            "`prompt` must not be empty",
+            Some("prompt"),
+        ));
+    }
+    let echo_text = if echo {
+        prompts
+            .iter()
+            .map(|p| tk.decode(p, false))
+            .collect::<Result<_, _>>()?
+    } else {
+        Vec::new()
+    };
+    let params = req
+        .sampling
+        .params(req.max_tokens.unwrap_or(16), req.logprobs)?;
+    let (stream, include_usage) = req.sampling.streaming();
+    let plan = Plan {
+        kind: Kind::Completion,
+        id: request_id("cmpl"),
+        created: now_unix(),
+        model: state.config.served_model_name.clone(),
+        jobs: jobs(&prompts, n),
+        prompts: prompts.iter().map(Vec::len).collect(),
+        echo: echo_text,
+        logprobs: req.logprobs.is_some(),
+        include_usage,
+    };
+    respond(Arc::clone(&state), ready, plan, params, stream).await
+}
+
+/// `POST /v1/chat/completions`.
+pub async fn chat(State(state): State<Arc<AppState>>, body: Bytes) -> Result<Response, ApiError> {
+    let ready = state.ready()?;
+    let req: ChatRequest = parse(&body, CHAT_FIELDS)?;
+    state.check_model(&req.model)?;
+    let n = req.sampling.n()?;
+    let messages = req.messages()?;
+    let template = ready.tokenizer.chat_template()?;
+    let prompt = ready
+        .tokenizer
+        .encode(&template.render(&messages, true)?, false)?;
+    let top = match (req.logprobs.unwrap_or(false), req.top_logprobs) {
+        (true, k) => Some(k.unwrap_or(0)),
+        (false, Some(_)) => {
+            return Err(ApiError::bad_request(
+                "`top_logprobs` requires `logprobs: true`",
+                Some("top_logprobs"),
+            ))
+        }
+        (false, None) => None,
+    };
+    let max_tokens = match req.max_completion_tokens.or(req.max_tokens) {
+        Some(m) => m,
+        None => ready
+            .engine
+            .info()
+            .max_model_len
+            .saturating_sub(prompt.len())
+            .max(1),
+    };
+    let params = req.sampling.params(max_tokens, top)?;
+    let (stream, include_usage) = req.sampling.streaming();
+    let plan = Plan {
+        kind: Kind::Chat,
+        id: request_id("chatcmpl"),
+        created: now_unix(),
+        model: state.config.served_model_name.clone(),
+        jobs: jobs(std::slice::from_ref(&prompt), n),
+        prompts: vec![prompt.len()],
+        echo: Vec::new(),
+        logprobs: top.is_some(),
+        include_usage,
+    };
+    respond(Arc::clone(&state), ready, plan, params, stream).await
+}
+
+fn jobs(prompts: &[Vec<u32>], n: usize) -> Vec<Job> {
+    prompts
+        .iter()
+        .enumerate()
+        .flat_map(|(p, ids)| {
+            (0..n).map(move |choice| Job {
+                prompt: ids.clone(),
+                prompt_index: p,
+                choice,
+            })
+        })
+        .collect()
+}

@@ -1,0 +1,400 @@
+//! The OpenAI-compatible HTTP server: routes, readiness, metrics and graceful shutdown.
+//!
+//! The listener is bound before the model loads, so `/health` can answer 503 while a
+//! large model is still loading (what a Kubernetes startup probe needs), and 200 once it
+//! serves. SIGTERM turns health to 503, refuses new requests and lets in-flight ones
+//! finish up to the shutdown timeout.
+
+mod completions;
+mod errors;
+mod metrics;
+mod openai;
+
+use std::future::Future;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, OnceLock};
+use std::time::Duration;
+
+use axum::body::Bytes;
+use axum::extract::State;
+use axum::http::{header, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use serde::Deserialize;
+use serde_json::json;
+use tokio::net::TcpListener;
+
+pub use errors::ApiError;
+pub use metrics::Metrics;
+
+use crate::engine::EngineHandle;
+use crate::tokenizer::Tokenizer;
+
+/// Server settings that do not depend on the model.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ServerConfig {
+    /// The `model` value clients send and `/v1/models` lists.
+    pub served_model_name: String,
+    /// Requests allowed to wait for admission before new ones get 503.
+    pub max_waiting_requests: usize,
+    /// How long in-flight requests may run after SIGTERM.
+    pub shutdown_timeout: Duration,
+}
+
+/// What exists once the model has loaded.
+pub struct Ready {
+    /// The batching engine.
+    pub engine: EngineHandle,
+    /// The model's tokenizer (shared with the engine's copy).
+    pub tokenizer: Tokenizer,
+}
+
+/// State shared by every handler.
+pub struct AppState {
+    /// Settings.
+    pub config: ServerConfig,
+    /// Metrics exported at `/metrics`.
+    pub metrics: Metrics,
+    ready: OnceLock<Arc<Ready>>,
+    draining: AtomicBool,
+}
+
+impl std::fmt::Debug for AppState {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("AppState")
+            .field("config", &self.config)
+            .finish_non_exhaustive()
+    }
+}
+
+impl AppState {
+    /// State for a server that is still loading its model.
+    pub fn new(config: ServerConfig) -> Result<Arc<Self>, prometheus::Error> {
+        let metrics = Metrics::new(&config.served_model_name)?;
+        Ok(Arc::new(AppState {
+            config,
+            metrics,
+            ready: OnceLock::new(),
+            draining: AtomicBool::new(false),
+        }))
+    }
+
+    /// Marks the model loaded and serving.
+    pub fn set_ready(&self, engine: EngineHandle, tokenizer: Tokenizer) {
+        let plan = &engine.info().cache;
+        self.metrics.set_cache_config(
+            plan.block_size,
+            plan.num_blocks,
+            engine.info().utilization,
+            engine.info().prefix_caching,
+        );
+        let _ = self.ready.set(Arc::new(Ready { engine, tokenizer }));
+    }
+
+    /// Stops taking requests (SIGTERM).
+    pub fn start_draining(&self) {
+        self.draining.store(true, Ordering::SeqCst);
+    }
+
+    fn draining(&self) -> bool {
+        self.draining.load(Ordering::SeqCst)
+    }
+
+    fn ready(&self) -> Result<Arc<Ready>, ApiError> {
+        self.ready
+            .get()
+            .cloned()
+            .ok_or_else(|| ApiError::unavailable("the model is still loading"))
+    }
+
+    fn check_model(&self, model: &str) -> Result<(), ApiError> {
+        if model == self.config.served_model_name {
+            Ok(())
+        } else {
+            Err(ApiError::unknown_model(
+                model,
+                &self.config.served_model_name,
+            ))
+        }
+    }
+}
+
+/// The router with every endpoint.
+pub fn router(state: Arc<AppState>) -> Router {
+    Router::new()
+        .route("/v1/completions", post(completions::completions))
+        .route("/v1/chat/completions", post(completions::chat))
+        .route("/v1/models", get(models))
+        .route("/health", get(health))
+        .route("/metrics", get(metrics))
+        .route("/tokenize", post(tokenize))
+        .route("/detokenize", post(detokenize))
+        .route("/version", get(version))
+        .fallback(|| async {
+            ApiError {
+                status: StatusCode::NOT_FOUND,
+                message: "no such endpoint".into(),
+                param: None,
+            }
+        })
+        .with_state(state)
+}
+
+async fn models(State(state): State<Arc<AppState>>) -> Result<Json<serde_json::Value>, ApiError> {
+    let ready = state.ready()?;
+    Ok(Json(json!({
+        "object": "list",
+        "data": [{
+            "id": state.config.served_model_name,
+            "object": "model",
+            "created": 0,
+            "owned_by": "ferrite",
+            "max_model_len": ready.engine.info().max_model_len,
+        }]
+    })))
+}
+
+async fn health(State(state): State<Arc<AppState>>) -> Response {
+    if state.draining() {
+        return (StatusCode::SERVICE_UNAVAILABLE, "draining").into_response();
+    }
+    match state.ready.get() {
+        Some(_) => (StatusCode::OK, "ok").into_response(),
+        None => (StatusCode::SERVICE_UNAVAILABLE, "loading").into_response(),
+    }
+}
+
+async fn metrics(State(state): State<Arc<AppState>>) -> Response {
+    let ready = state.ready.get().cloned();
+    let body = state.metrics.render(ready.as_ref().map(|r| &r.engine));
+    ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], body).into_response()
+}
+
+async fn version() -> Json<serde_json::Value> {
+    Json(json!({"version": env!("CARGO_PKG_VERSION"), "engine": "ferrite"}))
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct TokenizeRequest {
+    model: Option<String>,
+    prompt: Option<String>,
+    messages: Option<Vec<crate::tokenizer::ChatMessage>>,
+    add_special_tokens: Option<bool>,
+}
+
+async fn tokenize(
+    State(state): State<Arc<AppState>>,
+    body: Bytes,
+) -> Result<Json<serde_json::Value>, ApiError> {
+    let ready = state.ready()?;
+    let req: TokenizeRequest = serde_json::from_slice(&body)
+        .map_err(|e| ApiError::bad_request(format!("invalid request: {e}"), None))?;
+    if let Some(m) = &req.model {
+        state.check_model(m)?;
+    }
+    let tk = &ready.tokenizer;
+    let tokens = match (&req.prompt, &req.messages) {
+        (Some(p), None) => tk.encode(p, req.add_special_tokens.unwrap_or(true))?,
+        (None, Some(m)) => tk.encode(
+            &tk.chat_template()?.render(m, true)?,
+            req.add_special_tokens.unwrap_or(false),
+        )?,
+        _ => {
+            return Err(ApiError::bad_request(
+                "give exactly one of `prompt` or `messages`",
+                Some("prompt"),
+            ))
+        }
+    };
+    Ok(Json(json!({
+        "count": tokens.len(),
+        "max_model_len": ready.engine.info().max_model_len,
+        "tokens": tokens,
+    })))
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct DetokenizeRequest {
+    model: Option<String>,
+    tokens: Vec<u32>,
+}
+
+async fn detokenize(
+    State(state): State<Arc<AppState>>,
+    body: Bytes,
+) -> Result<Json<serde_json::Value>, ApiError> {
+    let ready = state.ready()?;
+    let req: DetokenizeRequest = serde_json::from_slice(&body)
+        .map_err(|e| ApiError::bad_request(format!("invalid request: {e}"), None))?;
+    if let Some(m) = &req.model {
+        state.check_model(m)?;
+    }
+    let vocab = ready.engine.info().vocab_size;
+    if let Some(&bad) = req.tokens.iter().find(|&&t| t as usize >= vocab) {
+        return Err(ApiError::bad_request(
+            format!("`tokens` holds id {bad}, beyond the vocabulary of {vocab} tokens"),
+            Some("tokens"),
+        ));
+    }
+    Ok(Json(
+        json!({"prompt": ready.tokenizer.decode(&req.tokens, false)?}),
+    ))
+}
+
+/// Resolves on SIGTERM or Ctrl-C.
+pub async fn shutdown_signal() {
+    let ctrl_c = async {
+        let _ = tokio::signal::ctrl_c().await;
+    };
+    #[cfg(unix)]
+    let term = async {
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(mut s) => {
+                s.recv().await;
+            }
+            Err(_) => std::future::pending::<()>().await,
+        }
+    };
+    #[cfg(not(unix))]
+    let term = std::future::pending::<()>();
+    tokio::select! {
+        () = ctrl_c => {},
+        () = term => {},
+    }
+}
+
+/// Serves `state` on `listener` until `shutdown` resolves; then refuses new requests and
+/// waits for in-flight ones up to the configured timeout.
+pub async fn run(
+    listener: TcpListener,
+    state: Arc<AppState>,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> std::io::Result<()> {
+    let timeout = state.config.shutdown_timeout;
+    let drain_state = Arc::clone(&state);
+    let (stopped_tx, stopped_rx) = tokio::sync::oneshot::channel::<()>();
+    let signal = async move {
+        shutdown.await;
+        tracing::info!("shutting down: draining in-flight requests for up to {timeout:?}");
+        drain_state.start_draining();
+        let _ = stopped_tx.send(());
+    };
+    let server = axum::serve(listener, router(state)).with_graceful_shutdown(signal);
+    let serving = tokio::spawn(async move { server.await });
+    let _ = stopped_rx.await;
+    match tokio::time::timeout(timeout, serving).await {
+        Ok(Ok(result)) => result,
+        Ok(Err(e)) => Err(std::io::Error::other(e)),
+        Err(_) => {
+            tracing::warn!("shutdown timeout reached with requests still running");
+            Ok(())
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use axum::body::Body;
+    use axum::http::Request;
+    use http_body_util::BodyExt;
+    use tower::ServiceExt;
+
+    fn loading() -> Arc<AppState> {
+        AppState::new(ServerConfig {
+            served_model_name: "m".into(),
+            max_waiting_requests: 4,
+            shutdown_timeout: Duration::from_secs(1),
+        })
+        .expect("metrics register")
+    }
+
+    async fn call(state: Arc<AppState>, req: Request<Body>) -> (StatusCode, String) {
+        let resp = router(state).oneshot(req).await.expect("router answers");
+        let status = resp.status();
+        let body = resp.into_body().collect().await.expect("body").to_bytes();
+        (status, String::from_utf8_lossy(&body).into_owned())
+    }
+
+    fn post(uri: &str, body: &str) -> Request<Body> {
+        Request::post(uri)
+            .header("content-type", "application/json")
+            .body(Body::from(body.to_string()))
+            .expect("request")
+    }
+
+    #[tokio::test]
+    async fn health_is_503_while_loading_and_while_draining() {
+        let state = loading();
+        let get = || {
+            Request::get("/health")
+                .body(Body::empty())
+                .expect("request")
+        };
+        assert_eq!(
+            call(Arc::clone(&state), get()).await,
+            (StatusCode::SERVICE_UNAVAILABLE, "loading".into())
+        );
+        state.start_draining();
+        assert_eq!(call(state, get()).await.0, StatusCode::SERVICE_UNAVAILABLE);
+    }
+
+    #[tokio::test]
+    async fn requests_while_loading_get_an_openai_error_with_retry_after() {
+        let resp = router(loading())
+            .oneshot(post("/v1/completions", r#"{"model":"m","prompt":"hi"}"#))
+            .await
+            .expect("router answers");
+        assert_eq!(resp.status(), StatusCode::SERVICE_UNAVAILABLE);
+        assert_eq!(
+            resp.headers()
+                .get(header::RETRY_AFTER)
+                .map(|v| v.as_bytes()),
+            Some(&b"1"[..])
+        );
+        let body = resp.into_body().collect().await.expect("body").to_bytes();
+        let v: serde_json::Value = serde_json::from_slice(&body).expect("json");
+        assert_eq!(v["error"]["message"], "the model is still loading");
+        assert_eq!(v["error"]["type"], "service_unavailable_error");
+    }
+
+    #[tokio::test]
+    async fn unknown_paths_and_metrics_before_load() {
+        let (status, body) = call(
+            loading(),
+            Request::get("/v2/nothing")
+                .body(Body::empty())
+                .expect("request"),
+        )
+        .await;
+        assert_eq!(status, StatusCode::NOT_FOUND);
+        assert!(body.contains("no such endpoint"));
+        let (status, body) = call(
+            loading(),
+            Request::get("/metrics")
+                .body(Body::empty())
+                .expect("request"),
+        )
+        .await;
+        assert_eq!(status, StatusCode::OK);
+        assert!(
+            body.contains("vllm:num_requests_waiting{model_name=\"m\"} 0"),
+            "{body}"
+        );
+        assert!(body.contains("vllm:time_to_first_token_seconds_bucket"));
+    }
+
+    #[test]
+    fn validation_errors_name_their_parameter() {
+        let e = ApiError::from(crate::Error::InvalidParameter(
+            "`top_p` must be in (0, 1], got 1.5".into(),
+        ));
+        assert_eq!(
+            (e.status, e.param.as_deref()),
+            (StatusCode::BAD_REQUEST, Some("top_p"))
+        );
+    }
+}

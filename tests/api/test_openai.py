@@ -1,0 +1,258 @@
+"""The official `openai` SDK against a real Ferrite server: every endpoint, streaming,
+sampling options and every error case, checked for what a client sees."""
+import json
+import threading
+import time
+import urllib.request
+
+import httpx
+import openai
+import pytest
+
+from conftest import MAX_MODEL_LEN, NAME, Server
+
+GREEDY = dict(temperature=0, max_tokens=12)
+
+
+def test_models_lists_the_served_name(client):
+    models = client.models.list()
+    assert [m.id for m in models.data] == [NAME]
+
+
+def test_completion_is_llama_cpp_greedy_text(client):
+    r = client.completions.create(model=NAME, prompt="The capital of France is", **GREEDY)
+    assert r.object == "text_completion"
+    # llama.cpp's greedy text on the same GGUF (tests/fixtures).
+    assert r.choices[0].text.startswith(" Paris.\n\nThe United States has a population")
+    assert r.choices[0].finish_reason == "length"
+    assert (r.usage.prompt_tokens, r.usage.completion_tokens, r.usage.total_tokens) == (5, 12, 17)
+
+
+def test_prompt_as_token_ids_and_lists(client):
+    ids = [504, 3575, 282, 4649, 314]
+    one = client.completions.create(model=NAME, prompt=ids, **GREEDY)
+    many = client.completions.create(model=NAME, prompt=["The capital of France is", "def fibonacci(n):"], **GREEDY)
+    assert one.choices[0].text == many.choices[0].text
+    assert len(many.choices) == 2 and many.choices[1].index == 1
+    assert many.usage.prompt_tokens == 5 + 6
+
+
+def test_chat_completion(client):
+    r = client.chat.completions.create(
+        model=NAME, messages=[{"role": "user", "content": "What is the boiling point of water?"}], **GREEDY)
+    assert r.object == "chat.completion"
+    msg = r.choices[0].message
+    assert msg.role == "assistant" and msg.content.startswith("The boiling point of water")
+    assert r.usage.completion_tokens == 12
+
+
+def test_chat_text_parts_and_system_message(client):
+    r = client.chat.completions.create(model=NAME, messages=[
+        {"role": "system", "content": "You are a terse assistant."},
+        {"role": "user", "content": [{"type": "text", "text": "Give me a synonym for happy."}]},
+    ], **GREEDY)
+    assert r.choices[0].message.content
+
+
+def test_streaming_chat_matches_non_streaming(client):
+    messages = [{"role": "user", "content": "Hi!"}]
+    whole = client.chat.completions.create(model=NAME, messages=messages, **GREEDY)
+    chunks = list(client.chat.completions.create(
+        model=NAME, messages=messages, stream=True, stream_options={"include_usage": True}, **GREEDY))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == whole.choices[0].message.content
+    finals = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finals == [whole.choices[0].finish_reason]
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+
+
+def test_streaming_completion_ends_with_done(server):
+    body = json.dumps({"model": NAME, "prompt": "Once upon a time", "max_tokens": 5, "stream": True}).encode()
+    req = urllib.request.Request(server.url + "/v1/completions", body, {"Content-Type": "application/json"})
+    with urllib.request.urlopen(req) as r:
+        assert r.headers["content-type"].startswith("text/event-stream")
+        lines = [l for l in r.read().decode().split("\n") if l.startswith("data: ")]
+    assert lines[-1] == "data: [DONE]"
+    assert json.loads(lines[-2][6:])["choices"][0]["finish_reason"] == "length"
+
+
+def test_n_choices(client):
+    r = client.completions.create(model=NAME, prompt="My favourite colour is", n=2, temperature=1.0, seed=3,
+                                  max_tokens=8, extra_body={"ignore_eos": True})
+    assert [c.index for c in r.choices] == [0, 1]
+    assert r.usage.completion_tokens == 16
+
+
+def test_stop_strings_end_generation_and_are_not_returned(client):
+    r = client.completions.create(model=NAME, prompt="1, 2, 3, 4, 5,", stop=[" 8"], temperature=0, max_tokens=30)
+    assert r.choices[0].finish_reason == "stop"
+    assert " 8" not in r.choices[0].text and r.choices[0].text.startswith(" 6, 7,")
+
+
+def test_same_seed_same_text(client):
+    args = dict(model=NAME, prompt="Once upon a time", temperature=1.0, top_p=0.95, max_tokens=16)
+    a = client.completions.create(seed=7, **args).choices[0].text
+    b = client.completions.create(seed=7, **args).choices[0].text
+    c = client.completions.create(seed=8, **args).choices[0].text
+    assert a == b
+    assert a != c
+
+
+def test_completion_logprobs(client):
+    r = client.completions.create(model=NAME, prompt="The capital of France is", logprobs=2, **GREEDY)
+    lp = r.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 12
+    assert lp.tokens[0] == " Paris" and all(len(t) == 2 for t in lp.top_logprobs)
+    assert all(l <= 0 for l in lp.token_logprobs)
+
+
+def test_chat_logprobs(client):
+    r = client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "Hi!"}],
+                                       logprobs=True, top_logprobs=3, **GREEDY)
+    content = r.choices[0].logprobs.content
+    assert len(content) == r.usage.completion_tokens and all(len(c.top_logprobs) == 3 for c in content)
+    assert content[0].top_logprobs[0].token == content[0].token
+
+
+def test_tokenize_and_detokenize(server):
+    def post(path, payload):
+        req = urllib.request.Request(server.url + path, json.dumps(payload).encode(), {"Content-Type": "application/json"})
+        with urllib.request.urlopen(req) as r:
+            return json.load(r)
+    t = post("/tokenize", {"model": NAME, "prompt": "The capital of France is"})
+    assert t["tokens"] == [504, 3575, 282, 4649, 314] and t["max_model_len"] == MAX_MODEL_LEN
+    assert post("/detokenize", {"model": NAME, "tokens": t["tokens"]})["prompt"] == "The capital of France is"
+
+
+def test_version_and_health(server):
+    with urllib.request.urlopen(server.url + "/version") as r:
+        assert json.load(r)["version"]
+    with urllib.request.urlopen(server.url + "/health") as r:
+        assert r.status == 200
+
+
+@pytest.mark.parametrize("kwargs,param,words", [
+    (dict(top_p=1.5), "top_p", "(0, 1]"),
+    (dict(temperature=-1), "temperature", "[0, 2]"),
+    (dict(presence_penalty=3), "presence_penalty", "[-2, 2]"),
+    (dict(max_tokens=0), "max_tokens", "at least 1"),
+    (dict(n=0), "n", "[1, 16]"),
+    (dict(logprobs=50), "logprobs", "[0, 20]"),
+    (dict(extra_body={"top_k": -5}), "top_k", "-1"),
+    (dict(extra_body={"bogus_option": 1}), "bogus_option", "unrecognized"),
+])
+def test_out_of_range_parameters_are_400_naming_the_field(client, kwargs, param, words):
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=NAME, prompt="hi", **kwargs)
+    body = e.value.body
+    assert e.value.status_code == 400 and body["param"] == param
+    assert param in body["message"] and words in body["message"]
+
+
+def test_prompt_longer_than_max_model_len_says_both_numbers(client):
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=NAME, prompt="hello " * 10, max_tokens=MAX_MODEL_LEN)
+    assert str(MAX_MODEL_LEN) in e.value.body["message"] and "max_tokens" in e.value.body["message"]
+
+
+def test_unknown_model_is_404(client):
+    with pytest.raises(openai.NotFoundError) as e:
+        client.completions.create(model="gpt-4", prompt="hi")
+    assert "gpt-4" in e.value.body["message"] and NAME in e.value.body["message"]
+
+
+def test_malformed_json_is_400(server):
+    r = httpx.post(server.url + "/v1/chat/completions", content=b"{not json", headers={"Content-Type": "application/json"})
+    assert r.status_code == 400 and "not valid JSON" in r.json()["error"]["message"]
+
+
+def test_unsupported_message_role_is_400(client):
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=NAME, messages=[{"role": "tool", "content": "x", "tool_call_id": "1"}], max_tokens=4)
+    assert e.value.body["param"] in ("messages", "tool_call_id")
+
+
+def test_64_concurrent_streams_complete_and_the_metrics_add_up(server):
+    before = server.metrics()
+    client = server.client()
+    received, errors = [], []
+
+    def one(i):
+        try:
+            stream = client.completions.create(
+                model=NAME, prompt=f"Story number {i}:", max_tokens=8, temperature=0.7, seed=i,
+                stream=True, stream_options={"include_usage": True})
+            usage = [c.usage.completion_tokens for c in stream if c.usage]
+            received.append(usage[0])
+        except Exception as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(64)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=300)
+    assert not errors and len(received) == 64
+    after = wait_idle(server)
+    key = f'vllm:generation_tokens_total{{model_name="{NAME}"}}'
+    assert after[key] - before[key] == sum(received) == 64 * 8
+
+
+def wait_idle(server, timeout=30):
+    deadline = time.time() + timeout
+    while True:
+        m = server.metrics()
+        idle = (m[f'vllm:num_requests_running{{model_name="{NAME}"}}'] == 0
+                and m[f'vllm:num_requests_waiting{{model_name="{NAME}"}}'] == 0
+                and m[f'vllm:kv_cache_usage_perc{{model_name="{NAME}"}}'] == 0)
+        if idle or time.time() > deadline:
+            assert idle, m
+            return m
+        time.sleep(0.1)
+
+
+def test_clients_that_disconnect_mid_stream_free_everything(server):
+    body = json.dumps({"model": NAME, "prompt": "Tell me a long story.", "max_tokens": 400,
+                       "ignore_eos": True, "stream": True})
+    for _ in range(16):
+        with httpx.stream("POST", server.url + "/v1/completions", content=body,
+                          headers={"Content-Type": "application/json"}, timeout=60) as r:
+            for i, _line in enumerate(r.iter_lines()):
+                if i >= 4:
+                    break
+    m = wait_idle(server)
+    assert m[f'vllm:generation_tokens_total{{model_name="{NAME}"}}'] < 16 * 400
+
+
+def test_metrics_use_vllm_names(server):
+    m = server.metrics()
+    for name in ["num_requests_running", "num_requests_waiting", "kv_cache_usage_perc",
+                 "time_to_first_token_seconds_count", "inter_token_latency_seconds_count",
+                 "e2e_request_latency_seconds_count", "request_queue_time_seconds_count",
+                 "prompt_tokens_total", "generation_tokens_total", "num_preemptions_total",
+                 "prefix_cache_queries_total", "prefix_cache_hits_total"]:
+        assert f'vllm:{name}{{model_name="{NAME}"}}' in m, name
+    assert m[f'vllm:request_success_total{{finished_reason="length",model_name="{NAME}"}}'] > 0
+
+
+def test_sigterm_finishes_in_flight_requests_and_refuses_new_ones():
+    s = Server("--shutdown-timeout", "60")
+    client = s.client()
+    result = {}
+
+    def long_request():
+        r = client.completions.create(model=NAME, prompt="Count: 1, 2, 3,", max_tokens=60,
+                                      temperature=0, extra_body={"ignore_eos": True})
+        result["tokens"] = r.usage.completion_tokens
+
+    t = threading.Thread(target=long_request)
+    t.start()
+    time.sleep(1.0)
+    s.proc.send_signal(__import__("signal").SIGTERM)
+    time.sleep(0.3)
+    with pytest.raises((openai.APIConnectionError, openai.APIStatusError)):
+        client.completions.create(model=NAME, prompt="too late", max_tokens=2)
+    t.join(timeout=120)
+    assert result.get("tokens") == 60
+    assert s.stop() == 0

@@ -6,7 +6,7 @@ CARGO ?= cargo
 MODEL := models/SmolLM2-135M-Instruct.Q4_1.gguf
 export FERRITE_TEST_MODEL := $(CURDIR)/$(MODEL)
 
-.PHONY: all model pyenv build run test fmt fmt-check lint bench clean
+.PHONY: all model pyenv build run crds test fmt fmt-check lint bench clean
 
 all: build
 
@@ -25,6 +25,10 @@ build:
 ## run: serve the default model on localhost:8000 with the OpenAI API (model name smollm2)
 run: model build
 	./target/release/ferrite-engine serve --model $(MODEL) --served-model-name smollm2 --port 8000
+
+## crds: regenerate crds/llmservice.yaml from the Rust types (a test fails when it drifts)
+crds:
+	$(CARGO) run --quiet --release -p ferrite-crds --bin crdgen > crds/llmservice.yaml
 
 ## test: the whole suite (fetches the model and test tools first)
 test: model pyenv

@@ -55,9 +55,13 @@ pub struct ServerArgs {
 /// Flags of `ferrite-engine serve`.
 #[derive(Debug, Args)]
 pub struct ServeArgs {
-    /// The model.
-    #[command(flatten)]
-    pub model: ModelArgs,
+    /// A GGUF file or a Hugging Face model directory.
+    #[arg(long, env = "FERRITE_MODEL", required_unless_present = "from_manifest")]
+    pub model: Option<PathBuf>,
+    /// Serve an LLMService manifest's model and engine settings, with the flags the
+    /// operator gives the pod; server flags (--host, --port, ...) still apply.
+    #[arg(long, conflicts_with = "model")]
+    pub from_manifest: Option<PathBuf>,
     /// HTTP.
     #[command(flatten)]
     pub server: ServerArgs,
@@ -113,6 +117,13 @@ pub struct SchedulerArgs {
     /// Longest prompt plus completion; default: the model's context length.
     #[arg(long, env = "FERRITE_MAX_MODEL_LEN")]
     pub max_model_len: Option<usize>,
+    /// Devices to split the model across within a node (only 1 is supported yet; larger
+    /// values are refused at startup).
+    #[arg(long, default_value_t = 1)]
+    pub tensor_parallel_size: usize,
+    /// Pipeline stages to split the model into (only 1 is supported yet).
+    #[arg(long, default_value_t = 1)]
+    pub pipeline_parallel_size: usize,
 }
 
 /// The engine configuration these flags describe.
@@ -130,6 +141,8 @@ pub fn engine_config(cache: &CacheArgs, sched: &SchedulerArgs) -> EngineConfig {
             "f32" => KvDtype::F32,
             _ => KvDtype::Auto,
         },
+        tensor_parallel_size: sched.tensor_parallel_size,
+        pipeline_parallel_size: sched.pipeline_parallel_size,
     }
 }
 
@@ -266,11 +279,75 @@ pub fn run(cli: Cli) -> Result<()> {
 /// Where Kubernetes reads a container's termination message.
 const TERMINATION_LOG: &str = "/dev/termination-log";
 
+/// The `serve` flags an LLMService manifest stands for: its model (a `file://` source) and
+/// `spec.engine` through the mapping the operator uses.
+pub fn manifest_args(path: &std::path::Path) -> Result<Vec<String>> {
+    use ferrite_crds::{engine_args, served_model_name, LLMService, ModelSource};
+    let bad =
+        |m: String| Error::InvalidParameter(format!("--from-manifest {}: {m}", path.display()));
+    let text = std::fs::read_to_string(path).map_err(|e| bad(e.to_string()))?;
+    let svc: LLMService =
+        serde_yaml::from_str(&text).map_err(|e| bad(format!("not an LLMService: {e}")))?;
+    let model = &svc.spec.model;
+    let file = match ModelSource::parse(&model.source, model.revision.as_deref())
+        .map_err(|e| bad(e.to_string()))?
+    {
+        ModelSource::File(p) => match &model.file {
+            Some(f) => p.join(f),
+            None => p,
+        },
+        ModelSource::HuggingFace { .. } | ModelSource::Pvc { .. } => {
+            return Err(bad(format!(
+                "source `{}` is fetched or mounted by the operator inside a pod; to serve it \
+                 locally, point spec.model.source at a local copy with file:///abs/path",
+                model.source
+            )))
+        }
+    };
+    let mut args = vec![
+        "ferrite-engine".to_string(),
+        "serve".into(),
+        "--model".into(),
+        file.display().to_string(),
+        "--served-model-name".into(),
+        served_model_name(&svc),
+    ];
+    args.extend(engine_args(&svc.spec.engine));
+    Ok(args)
+}
+
 fn serve(args: ServeArgs) -> Result<()> {
     use crate::server::{run as run_server, shutdown_signal, AppState, ServerConfig};
+    if let Some(manifest) = &args.from_manifest {
+        let mut argv = manifest_args(manifest)?;
+        let sv = &args.server;
+        argv.extend([
+            "--host".to_string(),
+            sv.host.clone(),
+            "--port".into(),
+            sv.port.to_string(),
+            "--max-waiting-requests".into(),
+            sv.max_waiting_requests.to_string(),
+            "--shutdown-timeout".into(),
+            sv.shutdown_timeout.to_string(),
+        ]);
+        tracing::info!("serving {} as: {}", manifest.display(), argv[1..].join(" "));
+        let cli = Cli::try_parse_from(&argv).map_err(|e| Error::InvalidParameter(e.to_string()))?;
+        return match cli.command {
+            Command::Serve(a) => serve(*a),
+            _ => Err(Error::InvalidParameter(
+                "the manifest did not map to `serve`".into(),
+            )),
+        };
+    }
+    let Some(model_path) = args.model.clone() else {
+        return Err(Error::InvalidParameter(
+            "--model or --from-manifest is required".into(),
+        ));
+    };
     let err = |e: &dyn std::fmt::Display| Error::Server(e.to_string());
     let name = args.server.served_model_name.clone().unwrap_or_else(|| {
-        let p = &args.model.model;
+        let p = &model_path;
         let stem = if p.is_dir() {
             p.file_name()
         } else {
@@ -285,7 +362,7 @@ fn serve(args: ServeArgs) -> Result<()> {
         shutdown_timeout: std::time::Duration::from_secs(args.server.shutdown_timeout),
     };
     let engine_config = engine_config(&args.cache, &args.scheduler);
-    let path = args.model.model.clone();
+    let path = model_path.clone();
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()

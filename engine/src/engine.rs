@@ -37,6 +37,10 @@ pub struct EngineConfig {
     pub enable_prefix_caching: bool,
     /// Element type of the KV cache.
     pub kv_dtype: KvDtype,
+    /// Devices a model is split across within a node; only 1 is built so far.
+    pub tensor_parallel_size: usize,
+    /// Pipeline stages; only 1 is built so far.
+    pub pipeline_parallel_size: usize,
 }
 
 impl Default for EngineConfig {
@@ -50,6 +54,8 @@ impl Default for EngineConfig {
             kv_cache_memory: None,
             enable_prefix_caching: true,
             kv_dtype: KvDtype::Auto,
+            tensor_parallel_size: 1,
+            pipeline_parallel_size: 1,
         }
     }
 }
@@ -217,6 +223,17 @@ impl RequestStream {
 impl EngineHandle {
     /// Sizes the cache, then starts the engine thread with `model`.
     pub fn start(model: LoadedModel, config: EngineConfig) -> Result<Self> {
+        for (flag, v) in [
+            ("--tensor-parallel-size", config.tensor_parallel_size),
+            ("--pipeline-parallel-size", config.pipeline_parallel_size),
+        ] {
+            if v != 1 {
+                return Err(Error::InvalidParameter(format!(
+                    "{flag} {v}: model parallelism is not built yet; this engine runs a model on \
+                     one device, so use {flag} 1"
+                )));
+            }
+        }
         let c = model.model.config().clone();
         let max_model_len = config.max_model_len.unwrap_or(c.max_position_embeddings);
         if max_model_len > c.max_position_embeddings {

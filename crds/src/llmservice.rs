@@ -1,0 +1,230 @@
+//! `LLMService` (`serving.ferrite.dev/v1alpha1`): one manifest describes a served model,
+//! how the engine runs it, how many replicas serve it and how they scale.
+
+use std::collections::BTreeMap;
+
+use k8s_openapi::api::core::v1::{
+    Affinity, EnvVar, LocalObjectReference, ResourceRequirements, Toleration,
+};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition;
+use kube::CustomResource;
+use schemars::JsonSchema;
+use serde::{Deserialize, Serialize};
+
+/// A large language model served behind a cluster-internal OpenAI-compatible endpoint.
+#[derive(CustomResource, Deserialize, Serialize, Clone, Debug, PartialEq, JsonSchema)]
+#[kube(
+    group = "serving.ferrite.dev",
+    version = "v1alpha1",
+    kind = "LLMService",
+    plural = "llmservices",
+    shortname = "llms",
+    namespaced,
+    status = "LLMServiceStatus",
+    scale = r#"{"specReplicasPath":".spec.replicas","statusReplicasPath":".status.replicas","labelSelectorPath":".status.selector"}"#,
+    printcolumn = r#"{"name":"Model","type":"string","jsonPath":".spec.model.source"}"#,
+    printcolumn = r#"{"name":"Desired","type":"integer","jsonPath":".status.desiredReplicas"}"#,
+    printcolumn = r#"{"name":"Ready","type":"integer","jsonPath":".status.readyReplicas"}"#,
+    printcolumn = r#"{"name":"TTFT","type":"number","jsonPath":".status.autoscaling.ttftSeconds"}"#,
+    printcolumn = r#"{"name":"Queue","type":"number","jsonPath":".status.autoscaling.queueDepthPerReplica"}"#,
+    printcolumn = r#"{"name":"Age","type":"date","jsonPath":".metadata.creationTimestamp"}"#
+)]
+#[serde(rename_all = "camelCase")]
+pub struct LLMServiceSpec {
+    /// Which model to serve and where its weights come from.
+    pub model: ModelSpec,
+    /// Engine settings; each maps to the engine flag of the same vLLM name.
+    #[serde(default)]
+    pub engine: EngineSpec,
+    /// Number of engine replicas when `autoscaling` is absent (also set by the scale
+    /// subresource, `kubectl scale`, HPA or KEDA).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub replicas: Option<i32>,
+    /// Scale on time-to-first-token and queue depth scraped from the engines.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub autoscaling: Option<AutoscalingSpec>,
+    /// CPU and memory requests and limits of the engine container; GPUs are added from
+    /// `gpuResource`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub resources: Option<ResourceRequirements>,
+    /// Extended resource name of the GPUs (e.g. `nvidia.com/gpu`); each replica requests
+    /// `tensorParallelSize * pipelineParallelSize` of them. Omitted: the CPU engine.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub gpu_resource: Option<String>,
+    /// Engine image, overriding the operator's default.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub image: Option<String>,
+    /// Scheduling and environment settings of the engine pods.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pod: Option<PodSettings>,
+    /// How a changed model or engine setting rolls out.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rollout: Option<RolloutSpec>,
+}
+
+/// The model and its source.
+#[derive(Deserialize, Serialize, Clone, Debug, PartialEq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct ModelSpec {
+    /// Where the weights are: `hf://org/repo`, `pvc://claim/path` or `file:///abs/path`.
+    pub source: String,
+    /// Hugging Face revision (branch, tag or commit); only with `hf://` sources.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub revision: Option<String>,
+    /// Which file to load when the source holds several GGUF files.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub file: Option<String>,
+    /// The `model` value clients send in OpenAI requests; default: `metadata.name`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub served_name: Option<String>,
+    /// Secret holding `HF_TOKEN` for gated or private Hugging Face repositories.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub token_hub_secret: Option<String>,
+}
+
+/// Engine settings, each mapped one to one to a vLLM-named engine flag.
+#[derive(Deserialize, Serialize, Clone, Debug, Default, PartialEq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct EngineSpec {
+    /// GPUs a model is split across within a node (`--tensor-parallel-size`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tensor_parallel_size: Option<i32>,
+    /// Pipeline stages a model is split into (`--pipeline-parallel-size`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pipeline_parallel_size: Option<i32>,
+    /// Fraction of device memory for weights, activations and KV cache, in (0, 1]
+    /// (`--gpu-memory-utilization`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub gpu_memory_utilization: Option<f64>,
+    /// Longest prompt plus completion (`--max-model-len`); default: the model's own.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_model_len: Option<i64>,
+    /// Sequences running at once (`--max-num-seqs`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_num_seqs: Option<i64>,
+    /// Tokens per engine step; longer prompts are chunked (`--max-num-batched-tokens`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_num_batched_tokens: Option<i64>,
+    /// Tokens per KV cache block (`--block-size`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub block_size: Option<i64>,
+    /// Share KV blocks of common prompt prefixes (`--enable-prefix-caching` /
+    /// `--no-enable-prefix-caching`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub enable_prefix_caching: Option<bool>,
+    /// Further engine flags, appended verbatim.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub extra_args: Vec<String>,
+}
+
+/// Autoscaling on latency and queue depth.
+#[derive(Deserialize, Serialize, Clone, Debug, PartialEq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct AutoscalingSpec {
+    /// Fewest replicas.
+    pub min_replicas: i32,
+    /// Most replicas.
+    pub max_replicas: i32,
+    /// Target time to first token at `ttftQuantile`, in seconds.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub target_ttft_seconds: Option<f64>,
+    /// Quantile of TTFT over the window that must meet the target, in (0, 1).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ttft_quantile: Option<f64>,
+    /// Target waiting requests per ready replica.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub target_queue_depth: Option<f64>,
+    /// Window the TTFT quantile is computed over, in seconds.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub window_seconds: Option<i64>,
+    /// Scale down only to the highest recommendation of this many seconds.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub scale_down_stabilization_seconds: Option<i64>,
+}
+
+/// Pod-level settings of the engine pods.
+#[derive(Deserialize, Serialize, Clone, Debug, Default, PartialEq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct PodSettings {
+    /// Node labels the pods must match.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub node_selector: BTreeMap<String, String>,
+    /// Taints the pods tolerate.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub tolerations: Vec<Toleration>,
+    /// Node and pod affinity.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub affinity: Option<Affinity>,
+    /// Priority class of the pods.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub priority_class_name: Option<String>,
+    /// Secrets for pulling the engine image.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub image_pull_secrets: Vec<LocalObjectReference>,
+    /// Extra environment variables of the engine container.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub env: Vec<EnvVar>,
+}
+
+/// Rolling update bounds.
+#[derive(Deserialize, Serialize, Clone, Debug, PartialEq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct RolloutSpec {
+    /// Extra replicas a rollout may start above the desired count.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_surge: Option<i32>,
+    /// Replicas a rollout may take out of service at once.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_unavailable: Option<i32>,
+}
+
+/// Observed state, written by the operator through the status subresource.
+#[derive(Deserialize, Serialize, Clone, Debug, Default, PartialEq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct LLMServiceStatus {
+    /// The `metadata.generation` this status describes.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub observed_generation: Option<i64>,
+    /// Pending, Loading, Ready, Degraded or Failed.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub phase: Option<String>,
+    /// Engine pods that exist.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub replicas: Option<i32>,
+    /// Engine pods that serve traffic.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ready_replicas: Option<i32>,
+    /// Replicas the operator wants (from `replicas` or the autoscaler).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub desired_replicas: Option<i32>,
+    /// Label selector of the pods, for the scale subresource.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub selector: Option<String>,
+    /// The OpenAI base URL inside the cluster, `http://<name>.<ns>.svc:8000/v1`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub endpoint: Option<String>,
+    /// Ready, Progressing, Available, ScalingLimited.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub conditions: Vec<Condition>,
+    /// What the autoscaler last measured and did.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub autoscaling: Option<AutoscalingStatus>,
+}
+
+/// The autoscaler's last observation and decision.
+#[derive(Deserialize, Serialize, Clone, Debug, Default, PartialEq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct AutoscalingStatus {
+    /// TTFT at the configured quantile over the window, in seconds.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ttft_seconds: Option<f64>,
+    /// Waiting requests per ready replica.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub queue_depth_per_replica: Option<f64>,
+    /// When the replica count last changed (RFC 3339).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub last_scale_time: Option<String>,
+    /// Why it last changed.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub last_scale_reason: Option<String>,
+}

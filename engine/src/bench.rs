@@ -9,6 +9,7 @@ use crate::cli::BenchArgs;
 use crate::engine::{EngineConfig, EngineHandle, Event};
 use crate::error::{Error, Result};
 use crate::generate::generate;
+use crate::kv::cache::SingleSequence;
 use crate::model::llama::{Batch, KvDtype, SeqSlice};
 use crate::sampling::SamplingParams;
 
@@ -66,7 +67,7 @@ pub fn run(args: &BenchArgs) -> Result<()> {
     let repeat = args.repeat.max(1);
     let mut pp_best = 0.0f64;
     for _ in 0..repeat {
-        let mut cache = model.new_cache(1, KvDtype::Auto);
+        let mut cache = SingleSequence::new(model, KvDtype::Auto);
         let positions: Vec<usize> = (0..prompt.len()).collect();
         let seqs = [SeqSlice {
             start: 0,
@@ -80,7 +81,7 @@ pub fn run(args: &BenchArgs) -> Result<()> {
                 positions: &positions,
                 seqs: &seqs,
             },
-            cache.as_mut(),
+            &mut cache,
         )?;
         pp_best = pp_best.max(prompt.len() as f64 / t.elapsed().as_secs_f64());
     }
@@ -122,13 +123,14 @@ pub fn run(args: &BenchArgs) -> Result<()> {
     println!("| decode bound (bandwidth / weights) | {bound:.1} tok/s |");
     println!("| decode / bound | {:.0} % |", 100.0 * decode_best / bound);
     if !args.concurrency.is_empty() {
-        batching(args, prompt)?;
+        let in_process = batching(args, prompt.clone())?;
+        http(args, &prompt, &in_process)?;
     }
     Ok(())
 }
 
 /// One batching measurement: `requests` requests of `len` prompt and `len` output tokens,
-/// at most `concurrency` in flight.
+/// all submitted at once.
 struct Load {
     tokens_per_s: f64,
     ttft_p50: f64,
@@ -141,7 +143,6 @@ fn run_load(
     config: EngineConfig,
     prompt: &[u32],
     requests: usize,
-    concurrency: usize,
     len: usize,
 ) -> Result<Load> {
     let loaded = crate::model::load(path, &Device::Cpu)?;
@@ -150,54 +151,58 @@ fn run_load(
         ignore_eos: true,
         ..SamplingParams::greedy(len)
     };
+    // All requests arrive at once, as the HTTP table's client sends them.
     let start = Instant::now();
-    let next = std::sync::atomic::AtomicUsize::new(0);
-    let ttfts = std::sync::Mutex::new(Vec::new());
-    let generated = std::sync::atomic::AtomicUsize::new(0);
-    std::thread::scope(|s| {
-        for _ in 0..concurrency {
-            s.spawn(|| {
-                while next.fetch_add(1, std::sync::atomic::Ordering::Relaxed) < requests {
-                    let submitted = Instant::now();
-                    let Ok(mut stream) = engine.submit(prompt[..len].to_vec(), params.clone())
-                    else {
-                        return;
-                    };
-                    let mut first = None;
+    let streams = (0..requests)
+        .map(|_| engine.submit(prompt[..len].to_vec(), params.clone()))
+        .collect::<Result<Vec<_>>>()?;
+    let results: Vec<(Option<f64>, usize)> = std::thread::scope(|s| {
+        let handles: Vec<_> = streams
+            .into_iter()
+            .map(|mut stream| {
+                s.spawn(move || {
+                    let (mut first, mut n) = (None, 0);
                     while let Some(ev) = stream.next_blocking() {
                         match ev {
                             Event::Token { .. } => {
-                                first.get_or_insert_with(|| submitted.elapsed().as_secs_f64());
-                                generated.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                                first.get_or_insert_with(|| start.elapsed().as_secs_f64());
+                                n += 1;
                             }
                             Event::Finished(_) => break,
                         }
                     }
-                    if let (Some(t), Ok(mut v)) = (first, ttfts.lock()) {
-                        v.push(t);
-                    }
-                }
-            });
-        }
+                    (first, n)
+                })
+            })
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| h.join().unwrap_or((None, 0)))
+            .collect()
     });
     let elapsed = start.elapsed().as_secs_f64();
-    let mut t = ttfts.into_inner().unwrap_or_default();
+    let mut t: Vec<f64> = results.iter().filter_map(|r| r.0).collect();
     t.sort_by(f64::total_cmp);
-    let pct = |p: f64| {
-        t.get(((t.len() as f64 * p).ceil() as usize).saturating_sub(1))
-            .copied()
-            .unwrap_or(0.0)
-    };
     let st = engine.stats();
     Ok(Load {
-        tokens_per_s: generated.into_inner() as f64 / elapsed,
-        ttft_p50: pct(0.5),
-        ttft_p90: pct(0.9),
+        tokens_per_s: results.iter().map(|r| r.1).sum::<usize>() as f64 / elapsed,
+        ttft_p50: percentile(&t, 0.5),
+        ttft_p90: percentile(&t, 0.9),
         waste: 1.0 - st.filled_at_peak as f64 / st.peak_allocated_slots.max(1) as f64,
     })
 }
 
-fn batching(args: &BenchArgs, mut prompt: Vec<u32>) -> Result<()> {
+/// The engine configuration of the batching and HTTP tables.
+fn load_config(len: usize) -> EngineConfig {
+    // Every request sends the same prompt: prefix caching off, so each one is computed.
+    EngineConfig {
+        max_model_len: Some(4 * len),
+        enable_prefix_caching: false,
+        ..EngineConfig::default()
+    }
+}
+
+fn batching(args: &BenchArgs, mut prompt: Vec<u32>) -> Result<Vec<(usize, f64)>> {
     let len = args.request_tokens;
     prompt.truncate(len);
     if prompt.len() < len {
@@ -218,7 +223,6 @@ fn batching(args: &BenchArgs, mut prompt: Vec<u32>) -> Result<()> {
         },
         &prompt,
         args.naive_requests,
-        args.naive_requests,
         len,
     )?;
     println!();
@@ -227,8 +231,10 @@ fn batching(args: &BenchArgs, mut prompt: Vec<u32>) -> Result<()> {
     println!("| concurrent requests | output tok/s | × single | TTFT p50 | TTFT p90 | KV waste at peak |");
     println!("|---|---|---|---|---|---|");
     let mut single = None;
+    let mut rates = Vec::new();
     for &c in &args.concurrency {
-        let r = run_load(path, base.clone(), &prompt, c.max(1), c.max(1), len)?;
+        let r = run_load(path, base.clone(), &prompt, c.max(1), len)?;
+        rates.push((c, r.tokens_per_s));
         let one = *single.get_or_insert(r.tokens_per_s);
         println!(
             "| {c} | {:.1} | {:.2}× | {:.2} s | {:.2} s | {:.1} % |",
@@ -248,5 +254,142 @@ fn batching(args: &BenchArgs, mut prompt: Vec<u32>) -> Result<()> {
         naive.ttft_p90,
         100.0 * naive.waste
     );
-    Ok(())
+    Ok(rates)
+}
+
+/// One streamed request's timings.
+#[derive(Debug, Default)]
+struct Sample {
+    ttft: f64,
+    gaps: Vec<f64>,
+    e2e: f64,
+    tokens: usize,
+}
+
+async fn stream_one(
+    client: &reqwest::Client,
+    url: &str,
+    prompt: &[u32],
+    len: usize,
+) -> Result<Sample> {
+    use futures::StreamExt;
+    let fail = |e: &dyn std::fmt::Display| Error::Server(format!("benchmark request: {e}"));
+    let body = serde_json::json!({
+        "model": "bench", "prompt": prompt, "max_tokens": len, "temperature": 0,
+        "ignore_eos": true, "stream": true, "stream_options": {"include_usage": true},
+    });
+    let start = Instant::now();
+    let resp = client
+        .post(url)
+        .json(&body)
+        .send()
+        .await
+        .map_err(|e| fail(&e))?;
+    if !resp.status().is_success() {
+        return Err(fail(&resp.status()));
+    }
+    let mut bytes = resp.bytes_stream();
+    let (mut buf, mut sample, mut last) = (String::new(), Sample::default(), None::<Instant>);
+    while let Some(chunk) = bytes.next().await {
+        buf.push_str(&String::from_utf8_lossy(&chunk.map_err(|e| fail(&e))?));
+        while let Some(end) = buf.find("\n\n") {
+            let event: String = buf.drain(..end + 2).collect();
+            let Some(data) = event.trim().strip_prefix("data: ") else {
+                continue;
+            };
+            if data == "[DONE]" {
+                sample.e2e = start.elapsed().as_secs_f64();
+                return Ok(sample);
+            }
+            let v: serde_json::Value = serde_json::from_str(data).map_err(|e| fail(&e))?;
+            if let Some(n) = v["usage"]["completion_tokens"].as_u64() {
+                sample.tokens = n as usize;
+                continue;
+            }
+            let now = Instant::now();
+            match last {
+                None => sample.ttft = (now - start).as_secs_f64(),
+                Some(t) => sample.gaps.push((now - t).as_secs_f64()),
+            }
+            last = Some(now);
+        }
+    }
+    Err(fail(&"the stream ended without [DONE]"))
+}
+
+fn percentile(sorted: &[f64], p: f64) -> f64 {
+    sorted
+        .get(((sorted.len() as f64 * p).ceil() as usize).saturating_sub(1))
+        .copied()
+        .unwrap_or(0.0)
+}
+
+/// The same workload over HTTP with streaming, against a server on loopback.
+fn http(args: &BenchArgs, prompt: &[u32], in_process: &[(usize, f64)]) -> Result<()> {
+    use crate::server::{run as run_server, AppState, ServerConfig};
+    let len = args.request_tokens;
+    let prompt = &prompt[..len];
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .map_err(|e| Error::Server(e.to_string()))?;
+    runtime.block_on(async {
+        let config = ServerConfig {
+            served_model_name: "bench".into(),
+            max_waiting_requests: 1 << 16,
+            shutdown_timeout: std::time::Duration::from_secs(5),
+        };
+        let state = AppState::new(config).map_err(|e| Error::Server(e.to_string()))?;
+        let loaded = crate::model::load(&args.model.model, &Device::Cpu)?;
+        let tokenizer = loaded.tokenizer.clone();
+        state.set_ready(EngineHandle::start(loaded, load_config(len))?, tokenizer);
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.map_err(|e| Error::Server(e.to_string()))?;
+        let url = format!("http://{}/v1/completions", listener.local_addr().map_err(|e| Error::Server(e.to_string()))?);
+        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+        let server = tokio::spawn(run_server(listener, state, async {
+            let _ = stopped.await;
+        }));
+        let client = reqwest::Client::new();
+        println!();
+        println!("Over HTTP (OpenAI /v1/completions, streaming), same requests:");
+        println!();
+        println!("| concurrent | req/s | output tok/s | TTFT p50 | TTFT p90 | TTFT p99 | ITL p50 | ITL p90 | e2e p50 | e2e p90 | HTTP / in-process |");
+        println!("|---|---|---|---|---|---|---|---|---|---|---|");
+        for &c in &args.concurrency {
+            let c = c.max(1);
+            let start = Instant::now();
+            let samples = futures::future::join_all((0..c).map(|_| stream_one(&client, &url, prompt, len))).await;
+            let elapsed = start.elapsed().as_secs_f64();
+            let samples = samples.into_iter().collect::<Result<Vec<_>>>()?;
+            let tokens: usize = samples.iter().map(|s| s.tokens).sum();
+            let sorted = |f: &dyn Fn(&Sample) -> Vec<f64>| {
+                let mut v: Vec<f64> = samples.iter().flat_map(f).collect();
+                v.sort_by(f64::total_cmp);
+                v
+            };
+            let ttft = sorted(&|s| vec![s.ttft]);
+            let itl = sorted(&|s| s.gaps.clone());
+            let e2e = sorted(&|s| vec![s.e2e]);
+            let rate = tokens as f64 / elapsed;
+            let ratio = in_process
+                .iter()
+                .find(|(n, _)| *n == c)
+                .map(|(_, r)| format!("{:.0} %", 100.0 * rate / r))
+                .unwrap_or_else(|| "–".into());
+            println!(
+                "| {c} | {:.2} | {rate:.1} | {:.2} s | {:.2} s | {:.2} s | {:.0} ms | {:.0} ms | {:.2} s | {:.2} s | {ratio} |",
+                c as f64 / elapsed,
+                percentile(&ttft, 0.5),
+                percentile(&ttft, 0.9),
+                percentile(&ttft, 0.99),
+                1000.0 * percentile(&itl, 0.5),
+                1000.0 * percentile(&itl, 0.9),
+                percentile(&e2e, 0.5),
+                percentile(&e2e, 0.9),
+            );
+        }
+        let _ = stop.send(());
+        server.await.map_err(|e| Error::Server(e.to_string()))?.map_err(|e| Error::Server(e.to_string()))
+    })
 }

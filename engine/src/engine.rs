@@ -10,7 +10,7 @@ use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver, UnboundedSender};
 
 use crate::error::{Error, Result};
 use crate::kv::budget::{self, CachePlan, CacheRequest};
-use crate::kv::cache::{PagedCache, PagedKv};
+use crate::kv::cache::{new_paged, PagedCache};
 use crate::kv::BlockPool;
 use crate::model::llama::{Batch, KvDtype, SeqSlice};
 use crate::model::LoadedModel;
@@ -285,16 +285,7 @@ impl EngineHandle {
             plan.kv_bytes as f64 / (1 << 20) as f64,
             plan.explanation
         );
-        let width = c.num_kv_heads * c.head_dim;
-        let cache: Box<dyn PagedCache> = if f16 {
-            Box::new(PagedKv::<half::f16>::new(
-                plan.block_size,
-                c.num_layers,
-                width,
-            ))
-        } else {
-            Box::new(PagedKv::<f32>::new(plan.block_size, c.num_layers, width))
-        };
+        let cache = new_paged(&model.model, config.kv_dtype, plan.block_size);
         let shared = Arc::new(Shared {
             info: EngineInfo {
                 cache: plan.clone(),

@@ -3,6 +3,7 @@
 use std::time::Instant;
 
 use crate::error::{Error, Result};
+use crate::kv::cache::SingleSequence;
 use crate::model::llama::{Batch, KvDtype, SeqSlice};
 use crate::model::LoadedModel;
 use crate::sampling::SamplingParams;
@@ -59,7 +60,7 @@ fn run(
     on_text: &mut (impl FnMut(&str) + Send),
 ) -> Result<Generation> {
     let model = &loaded.model;
-    let mut cache = model.new_cache(1, KvDtype::Auto);
+    let mut cache = SingleSequence::new(model, KvDtype::Auto);
     let mut seq = SequenceState::new(prompt, params, loaded.tokenizer.stop_token_ids());
     let mut tokens = Vec::new();
     let mut text = String::new();
@@ -79,7 +80,7 @@ fn run(
             positions: &positions,
             seqs: &seqs,
         };
-        let logits = model.forward(&batch, cache.as_mut())?;
+        let logits = model.forward(&batch, &mut cache)?;
         let mut row = logits.squeeze(0)?.to_vec1::<f32>()?;
         pos += input.len();
         let step = seq.step(&mut row, &loaded.tokenizer)?;

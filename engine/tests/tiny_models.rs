@@ -5,6 +5,7 @@ mod common;
 
 use candle_core::{DType, Device};
 use common::{reference_logits, write_tiny_gguf, write_tiny_hf, TinySpec};
+use ferrite_engine::kv::cache::SingleSequence;
 use ferrite_engine::model::llama::{Batch, KvDtype, Llama, SeqSlice};
 use ferrite_engine::model::load_model;
 
@@ -13,7 +14,7 @@ const IDS: [u32; 9] = [3, 17, 42, 99, 0, 8, 8, 57, 23];
 /// Logits for every token: first as one prefill, then as a 4-token prefill followed by
 /// single-token decode steps (the cached path).
 fn engine_logits(model: &Llama) -> (Vec<Vec<f32>>, Vec<Vec<f32>>) {
-    let mut cache = model.new_cache(1, KvDtype::Auto);
+    let mut cache = SingleSequence::new(model, KvDtype::Auto);
     let positions: Vec<usize> = (0..IDS.len()).collect();
     let seqs = [SeqSlice {
         start: 0,
@@ -26,12 +27,12 @@ fn engine_logits(model: &Llama) -> (Vec<Vec<f32>>, Vec<Vec<f32>>) {
         seqs: &seqs,
     };
     let all = model
-        .forward_all(&batch, cache.as_mut())
+        .forward_all(&batch, &mut cache)
         .expect("forward")
         .to_vec2::<f32>()
         .expect("rows");
 
-    let mut cache = model.new_cache(1, KvDtype::Auto);
+    let mut cache = SingleSequence::new(model, KvDtype::Auto);
     let mut stepped = Vec::new();
     let pre = 4;
     let seqs = [SeqSlice {
@@ -46,7 +47,7 @@ fn engine_logits(model: &Llama) -> (Vec<Vec<f32>>, Vec<Vec<f32>>) {
     };
     stepped.extend(
         model
-            .forward_all(&batch, cache.as_mut())
+            .forward_all(&batch, &mut cache)
             .expect("prefill")
             .to_vec2::<f32>()
             .expect("rows"),
@@ -64,7 +65,7 @@ fn engine_logits(model: &Llama) -> (Vec<Vec<f32>>, Vec<Vec<f32>>) {
         };
         stepped.extend(
             model
-                .forward(&batch, cache.as_mut())
+                .forward(&batch, &mut cache)
                 .expect("decode")
                 .to_vec2::<f32>()
                 .expect("rows"),

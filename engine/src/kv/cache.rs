@@ -8,13 +8,81 @@ use candle_core::Tensor;
 use super::block_pool::BlockId;
 use crate::error::{Error, Result};
 use crate::kernels::attention::{paged_attention, HeadShape, KvBlocks, KvElement};
-use crate::model::llama::{to_f32_vec, KvCache, SeqSlice};
+use crate::model::llama::{to_f32_vec, KvCache, KvDtype, Llama, SeqSlice};
 
 /// A paged cache whose block tables are set for each step; `SeqSlice::cache_slot` indexes
 /// the tables.
 pub trait PagedCache: KvCache + Send {
     /// The block tables of this step's sequences, in `cache_slot` order.
     fn set_tables(&mut self, tables: Vec<Vec<BlockId>>);
+}
+
+/// Paged storage for `model` in the element type `dtype` resolves to.
+pub fn new_paged(model: &Llama, dtype: KvDtype, block_size: usize) -> Box<dyn PagedCache> {
+    let c = model.config();
+    let width = c.num_kv_heads * c.head_dim;
+    let f16 = match dtype {
+        KvDtype::F16 => true,
+        KvDtype::F32 => false,
+        KvDtype::Auto => model.kv_prefers_f16(),
+    };
+    if f16 {
+        Box::new(PagedKv::<half::f16>::new(block_size, c.num_layers, width))
+    } else {
+        Box::new(PagedKv::<f32>::new(block_size, c.num_layers, width))
+    }
+}
+
+/// One sequence's paged cache whose block table grows as its tokens arrive — for
+/// single-request generation and tests, without a pool or scheduler.
+pub struct SingleSequence {
+    cache: Box<dyn PagedCache>,
+    block_size: usize,
+    blocks: usize,
+}
+
+impl SingleSequence {
+    /// An empty cache for one sequence of `model`.
+    pub fn new(model: &Llama, dtype: KvDtype) -> Self {
+        const BLOCK: usize = 16;
+        SingleSequence {
+            cache: new_paged(model, dtype, BLOCK),
+            block_size: BLOCK,
+            blocks: 0,
+        }
+    }
+}
+
+impl KvCache for SingleSequence {
+    fn attend(
+        &mut self,
+        layer: usize,
+        seq: &SeqSlice,
+        positions: &[usize],
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+    ) -> Result<Tensor> {
+        let need = positions
+            .iter()
+            .max()
+            .map_or(0, |p| p / self.block_size + 1);
+        if need > self.blocks {
+            self.blocks = need;
+            self.cache.set_tables(vec![(0..need as BlockId).collect()]);
+        }
+        self.cache.attend(
+            layer,
+            &SeqSlice {
+                cache_slot: 0,
+                ..*seq
+            },
+            positions,
+            q,
+            k,
+            v,
+        )
+    }
 }
 
 /// Block storage for every layer, in element type `T`.

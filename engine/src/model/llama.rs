@@ -6,12 +6,9 @@
 
 use candle_core::{DType, Device, Tensor};
 
-use half::f16;
-
 use super::config::{Architecture, ModelConfig, RopeStyle};
 use super::weights::{Matmul, WeightName, WeightSource};
 use crate::error::{Error, Result};
-use crate::kernels::attention::{paged_attention, HeadShape, KvBlocks, KvElement};
 
 /// One sequence's share of a flattened batch.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -208,19 +205,6 @@ impl Llama {
         self.kv_f16
     }
 
-    /// A contiguous KV cache for `slots` sequences in the element type `dtype` resolves to.
-    pub fn new_cache(&self, slots: usize, dtype: KvDtype) -> Box<dyn KvCache + Send> {
-        let layers = self.config.num_layers;
-        match (dtype, self.kv_f16) {
-            (KvDtype::F16, _) | (KvDtype::Auto, true) => {
-                Box::new(ContiguousCache::<f16>::new(slots, layers))
-            }
-            (KvDtype::F32, _) | (KvDtype::Auto, false) => {
-                Box::new(ContiguousCache::<f32>::new(slots, layers))
-            }
-        }
-    }
-
     /// Runs the batch and returns logits (`[batch.seqs.len(), vocab]`) for the last token
     /// of each sequence.
     pub fn forward(&self, batch: &Batch<'_>, cache: &mut dyn KvCache) -> Result<Tensor> {
@@ -372,85 +356,9 @@ pub enum KvDtype {
     F32,
 }
 
-/// A per-sequence contiguous cache: each slot's K/V rows grow in one buffer per layer.
-///
-/// Exact and simple; the paged block cache replaces it for serving.
-#[derive(Debug, Default)]
-pub struct ContiguousCache<T> {
-    slots: Vec<Vec<(Vec<T>, Vec<T>)>>,
-    len: Vec<usize>,
-}
-
-impl<T: KvElement> ContiguousCache<T> {
-    /// A cache with `slots` empty sequences for a model of `layers` layers.
-    pub fn new(slots: usize, layers: usize) -> Self {
-        ContiguousCache {
-            slots: (0..slots)
-                .map(|_| vec![(Vec::new(), Vec::new()); layers])
-                .collect(),
-            len: vec![0; slots],
-        }
-    }
-}
-
 /// A tensor's values as f32, row-major.
 pub fn to_f32_vec(t: &Tensor) -> Result<Vec<f32>> {
     Ok(t.flatten_all()?.to_dtype(DType::F32)?.to_vec1::<f32>()?)
-}
-
-impl<T: KvElement> KvCache for ContiguousCache<T> {
-    fn attend(
-        &mut self,
-        layer: usize,
-        seq: &SeqSlice,
-        positions: &[usize],
-        q: &Tensor,
-        k: &Tensor,
-        v: &Tensor,
-    ) -> Result<Tensor> {
-        let (len, heads, head_dim) = q.dims3()?;
-        let (_, kv_heads, _) = k.dims3()?;
-        let slot = seq.cache_slot;
-        let (ck, cv) = self
-            .slots
-            .get_mut(slot)
-            .and_then(|s| s.get_mut(layer))
-            .ok_or_else(|| Error::InvalidParameter(format!("no cache slot {slot}")))?;
-        let cached = ck.len() / (kv_heads * head_dim);
-        if positions.first() != Some(&cached) {
-            return Err(Error::InvalidParameter(format!(
-                "contiguous cache holds {cached} tokens but the step starts at position {:?}",
-                positions.first()
-            )));
-        }
-        ck.extend(to_f32_vec(k)?.into_iter().map(T::from_f32));
-        cv.extend(to_f32_vec(v)?.into_iter().map(T::from_f32));
-        let total = cached + len;
-        if layer == 0 {
-            self.len[slot] = total;
-        }
-        let (kb, vb): ([&[T]; 1], [&[T]; 1]) = ([ck.as_slice()], [cv.as_slice()]);
-        let mut out = vec![0f32; len * heads * head_dim];
-        paged_attention(
-            &to_f32_vec(q)?,
-            positions,
-            KvBlocks {
-                blocks: &kb,
-                block_size: total,
-            },
-            KvBlocks {
-                blocks: &vb,
-                block_size: total,
-            },
-            HeadShape {
-                heads,
-                kv_heads,
-                head_dim,
-            },
-            &mut out,
-        );
-        Ok(Tensor::from_vec(out, (len, heads * head_dim), q.device())?)
-    }
 }
 
 /// Log-probabilities over the vocabulary for one row of logits.

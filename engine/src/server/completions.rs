@@ -15,7 +15,9 @@ use futures::stream::{self, Stream, StreamExt};
 use serde_json::{json, Value};
 
 use super::errors::ApiError;
-use super::openai::{ChatRequest, CompletionRequest, Prompt, CHAT_FIELDS, COMPLETION_FIELDS};
+use super::openai::{
+    ChatRequest, CompletionRequest, Prompt, CHAT_FIELDS, COMPLETION_FIELDS, SAMPLING_FIELDS,
+};
 use super::{AppState, Ready};
 use crate::engine::{Event, Finish, RequestStream};
 use crate::sampling::SamplingParams;
@@ -39,11 +41,13 @@ fn parse<T: serde::de::DeserializeOwned>(body: &Bytes, known: &[&str]) -> Result
             None,
         ));
     };
-    if let Some(k) = obj.keys().find(|k| !known.contains(&k.as_str())) {
+    let accepted = |k: &str| known.contains(&k) || SAMPLING_FIELDS.contains(&k);
+    if let Some(k) = obj.keys().find(|k| !accepted(k)) {
+        let all: Vec<&str> = known.iter().chain(SAMPLING_FIELDS).copied().collect();
         return Err(ApiError::bad_request(
             format!(
                 "unrecognized request argument `{k}`; accepted: {}",
-                known.join(", ")
+                all.join(", ")
             ),
             Some(k),
         ));

@@ -145,13 +145,8 @@ impl Sampling {
     }
 }
 
-/// Fields `/v1/completions` accepts; anything else is refused by name.
-pub const COMPLETION_FIELDS: &[&str] = &[
-    "model",
-    "prompt",
-    "max_tokens",
-    "logprobs",
-    "echo",
+/// Fields of [`Sampling`], accepted by both endpoints.
+pub const SAMPLING_FIELDS: &[&str] = &[
     "temperature",
     "top_p",
     "n",
@@ -170,7 +165,10 @@ pub const COMPLETION_FIELDS: &[&str] = &[
     "user",
 ];
 
-/// Fields `/v1/chat/completions` accepts.
+/// Fields only `/v1/completions` accepts; anything else is refused by name.
+pub const COMPLETION_FIELDS: &[&str] = &["model", "prompt", "max_tokens", "logprobs", "echo"];
+
+/// Fields only `/v1/chat/completions` accepts.
 pub const CHAT_FIELDS: &[&str] = &[
     "model",
     "messages",
@@ -178,22 +176,6 @@ pub const CHAT_FIELDS: &[&str] = &[
     "max_completion_tokens",
     "logprobs",
     "top_logprobs",
-    "temperature",
-    "top_p",
-    "n",
-    "stop",
-    "seed",
-    "presence_penalty",
-    "frequency_penalty",
-    "top_k",
-    "min_p",
-    "repetition_penalty",
-    "ignore_eos",
-    "min_tokens",
-    "stop_token_ids",
-    "stream",
-    "stream_options",
-    "user",
 ];
 
 /// `POST /v1/completions`.

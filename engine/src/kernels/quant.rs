@@ -51,8 +51,12 @@ fn f16_at(b: &[u8], at: usize) -> f32 {
     f16::from_le_bytes([b[at], b[at + 1]]).to_f32()
 }
 
-/// Output rows each parallel task computes (whole weight rows, all activation rows).
+/// Weight rows each parallel task of a matrix-vector product computes.
 const ROWS_PER_TASK: usize = 16;
+
+/// Most activation rows each parallel task of a matrix-matrix product computes; weights
+/// are re-read once per task, so blocks are large but still spread over every thread.
+const ACT_ROWS_PER_TASK: usize = 64;
 
 impl QuantMatrix {
     /// Wraps GGUF block data of a `[rows, cols]` matrix; `None` if the sizes disagree.
@@ -86,60 +90,73 @@ impl QuantMatrix {
     /// `x` (`[m, cols]`, row-major) times the transposed weight: `[m, rows]`.
     pub fn matmul(&self, x: &[f32]) -> Vec<f32> {
         let m = x.len() / self.cols;
-        let with_sums = self.format == WeightFormat::Q4_1;
-        let acts: Vec<QuantizedRow> = x
-            .chunks_exact(self.cols)
-            .map(|r| quantize_row(r, with_sums))
-            .collect();
-        let row_bytes = self.cols / BLOCK * self.format.block_bytes();
-        let (dot, dot4, tile) = (
-            dot_kernel(self.format),
-            dot4_kernel(self.format),
-            tile_kernel(),
-        );
-        // Column-major scratch so each task owns whole weight rows.
-        let mut out_t = vec![0f32; self.rows * m];
-        out_t
-            .par_chunks_mut(m * ROWS_PER_TASK)
+        if m == 1 {
+            self.matvec(x)
+        } else {
+            self.matmat(x, m)
+        }
+    }
+
+    fn row_bytes(&self) -> usize {
+        self.cols / BLOCK * self.format.block_bytes()
+    }
+
+    fn weight_row(&self, r: usize) -> &[u8] {
+        let n = self.row_bytes();
+        &self.data[r * n..(r + 1) * n]
+    }
+
+    /// One activation row (decode): tasks take groups of weight rows.
+    fn matvec(&self, x: &[f32]) -> Vec<f32> {
+        let a = quantize_row(x, self.format == WeightFormat::Q4_1);
+        let (dot, dot4) = (dot_kernel(self.format), dot4_kernel(self.format));
+        let mut out = vec![0f32; self.rows];
+        out.par_chunks_mut(ROWS_PER_TASK)
             .enumerate()
             .for_each(|(task, dst)| {
                 let first = task * ROWS_PER_TASK;
-                let row =
-                    |r: usize| &self.data[(first + r) * row_bytes..(first + r + 1) * row_bytes];
-                let n = dst.len() / m;
-                let quads = n / 4 * 4;
+                let quads = dst.len() / 4 * 4;
                 for r in (0..quads).step_by(4) {
-                    let w = [row(r), row(r + 1), row(r + 2), row(r + 3)];
-                    if m == 1 {
-                        let v = dot4(w, &acts[0]);
-                        for (j, v) in v.into_iter().enumerate() {
-                            dst[r + j] = v;
-                        }
-                        continue;
-                    }
-                    // Unpack the four rows once, then stream the activation rows past them.
-                    let unpacked = Unpacked::new(self.format, w);
+                    let w = [0, 1, 2, 3].map(|j| self.weight_row(first + r + j));
+                    dst[r..r + 4].copy_from_slice(&dot4(w, &a));
+                }
+                for r in quads..dst.len() {
+                    dst[r] = dot(self.weight_row(first + r), &a);
+                }
+            });
+        out
+    }
+
+    /// Many activation rows (prefill, batches): tasks take blocks of activation rows, quantize
+    /// them, and stream every weight row past them — four rows unpacked at a time — writing
+    /// whole output rows.
+    fn matmat(&self, x: &[f32], m: usize) -> Vec<f32> {
+        let (dot, tile) = (dot_kernel(self.format), tile_kernel());
+        let with_sums = self.format == WeightFormat::Q4_1;
+        let mut out = vec![0f32; m * self.rows];
+        let per_task = ACT_ROWS_PER_TASK.min(m.div_ceil(rayon::current_num_threads()).max(1));
+        out.par_chunks_mut(per_task * self.rows)
+            .enumerate()
+            .for_each(|(task, dst)| {
+                let first = task * per_task;
+                let acts: Vec<QuantizedRow> = (first..first + dst.len() / self.rows)
+                    .map(|i| quantize_row(&x[i * self.cols..(i + 1) * self.cols], with_sums))
+                    .collect();
+                let quads = self.rows / 4 * 4;
+                for r in (0..quads).step_by(4) {
+                    let unpacked =
+                        Unpacked::new(self.format, [0, 1, 2, 3].map(|j| self.weight_row(r + j)));
                     for (i, a) in acts.iter().enumerate() {
-                        for (j, v) in tile(&unpacked, a).into_iter().enumerate() {
-                            dst[(r + j) * m + i] = v;
-                        }
+                        let at = i * self.rows + r;
+                        dst[at..at + 4].copy_from_slice(&tile(&unpacked, a));
                     }
                 }
-                for r in quads..n {
+                for r in quads..self.rows {
                     for (i, a) in acts.iter().enumerate() {
-                        dst[r * m + i] = dot(row(r), a);
+                        dst[i * self.rows + r] = dot(self.weight_row(r), a);
                     }
                 }
             });
-        if m == 1 {
-            return out_t;
-        }
-        let mut out = vec![0f32; m * self.rows];
-        for (row, col) in out_t.chunks_exact(m).enumerate() {
-            for (i, &v) in col.iter().enumerate() {
-                out[i * self.rows + row] = v;
-            }
-        }
         out
     }
 }

@@ -120,8 +120,8 @@ impl QuantMatrix {
                     let w = [0, 1, 2, 3].map(|j| self.weight_row(first + r + j));
                     dst[r..r + 4].copy_from_slice(&dot4(w, &a));
                 }
-                for r in quads..dst.len() {
-                    dst[r] = dot(self.weight_row(first + r), &a);
+                for (r, out) in dst.iter_mut().enumerate().skip(quads) {
+                    *out = dot(self.weight_row(first + r), &a);
                 }
             });
         out

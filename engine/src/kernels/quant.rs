@@ -61,7 +61,7 @@ const ACT_ROWS_PER_TASK: usize = 64;
 impl QuantMatrix {
     /// Wraps GGUF block data of a `[rows, cols]` matrix; `None` if the sizes disagree.
     pub fn from_gguf(format: WeightFormat, rows: usize, cols: usize, data: &[u8]) -> Option<Self> {
-        if cols % BLOCK != 0 || data.len() != rows * cols / BLOCK * format.block_bytes() {
+        if !cols.is_multiple_of(BLOCK) || data.len() != rows * cols / BLOCK * format.block_bytes() {
             return None;
         }
         Some(QuantMatrix {
@@ -175,6 +175,15 @@ pub struct Unpacked {
 }
 
 impl Unpacked {
+    /// The scales of rows `2p` and `2p + 1` of block `i`, each repeated over eight lanes.
+    #[cfg(target_arch = "x86_64")]
+    fn pair_scales(&self, i: usize, p: usize) -> [f32; 16] {
+        let (a, b) = (self.d[i * 4 + 2 * p], self.d[i * 4 + 2 * p + 1]);
+        std::array::from_fn(|l| if l < 8 { a } else { b })
+    }
+}
+
+impl Unpacked {
     fn new(format: WeightFormat, rows: [&[u8]; 4]) -> Self {
         let stride = format.block_bytes();
         let nb = rows[0].len() / stride;
@@ -214,8 +223,14 @@ type Tile = fn(&Unpacked, &QuantizedRow) -> [f32; 4];
 
 fn tile_kernel() -> Tile {
     #[cfg(target_arch = "x86_64")]
-    if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma") {
-        return x86::tile;
+    {
+        use std::arch::is_x86_feature_detected as has;
+        if has!("avx512f") && has!("avx512bw") && has!("avx512vnni") {
+            return x86::tile512;
+        }
+        if has!("avx2") && has!("fma") {
+            return x86::tile;
+        }
     }
     tile_portable
 }
@@ -562,6 +577,58 @@ mod x86 {
         [0, 1, 2, 3].map(|r| hsum8(lanes(acc[r])) + if u.signed { 0.0 } else { summs[r] })
     }
 
+    /// Two weight rows per 512-bit register: lanes 0..8 belong to the first row, 8..16 to
+    /// the second, each with exactly the integer lanes and fused multiply-adds of the
+    /// 256-bit kernel.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma")]
+    fn tile_avx512(u: &super::Unpacked, a: &QuantizedRow) -> [f32; 4] {
+        let mut acc = [_mm512_setzero_ps(); 2];
+        let mut summs = [0f32; 4];
+        for i in 0..a.d.len() {
+            let qy = _mm512_broadcast_i64x4(activation(a, i));
+            let ad = _mm512_set1_ps(a.d[i]);
+            for (p, acc) in acc.iter_mut().enumerate() {
+                let k = i * 4 + 2 * p;
+                let pair = &u.q[k..k + 2];
+                // SAFETY: the two unpacked blocks are 64 contiguous bytes; loadu is unaligned.
+                let qx = unsafe { _mm512_loadu_si512(pair.as_ptr().cast()) };
+                let prod = if u.signed {
+                    // |x| times sign(x)·y (there is no 512-bit sign instruction).
+                    let neg = _mm512_movepi8_mask(qx);
+                    let sy = _mm512_mask_sub_epi8(qy, neg, _mm512_setzero_si512(), qy);
+                    _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_abs_epi8(qx), sy)
+                } else {
+                    summs[2 * p] = u.m[k].mul_add(a.s[i], summs[2 * p]);
+                    summs[2 * p + 1] = u.m[k + 1].mul_add(a.s[i], summs[2 * p + 1]);
+                    _mm512_dpbusd_epi32(_mm512_setzero_si512(), qx, qy)
+                };
+                let scales = u.pair_scales(i, p);
+                // SAFETY: `scales` holds exactly sixteen f32.
+                let d = _mm512_mul_ps(unsafe { _mm512_loadu_ps(scales.as_ptr()) }, ad);
+                *acc = _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(prod), *acc);
+            }
+        }
+        let mut out = [0f32; 4];
+        for (p, acc) in acc.iter().enumerate() {
+            let mut all = [0f32; 16];
+            // SAFETY: `all` holds exactly sixteen f32.
+            unsafe { _mm512_storeu_ps(all.as_mut_ptr(), *acc) };
+            for half in 0..2 {
+                let mut l = [0f32; 8];
+                l.copy_from_slice(&all[half * 8..half * 8 + 8]);
+                let r = 2 * p + half;
+                out[r] = hsum8(l) + if u.signed { 0.0 } else { summs[r] };
+            }
+        }
+        out
+    }
+
+    pub(super) fn tile512(u: &super::Unpacked, a: &QuantizedRow) -> [f32; 4] {
+        // SAFETY: chosen only after `is_x86_feature_detected!` found avx512f, avx512bw and
+        // avx512vnni (which imply avx2 and fma).
+        unsafe { tile_avx512(u, a) }
+    }
+
     pub(super) fn tile(u: &super::Unpacked, a: &QuantizedRow) -> [f32; 4] {
         // SAFETY: chosen only after `is_x86_feature_detected!` found avx2 and fma.
         unsafe { tile_avx2(u, a) }
@@ -693,11 +760,24 @@ mod tests {
                 WeightFormat::Q4_0 => dot_q4_0(&w, &a),
                 WeightFormat::Q8_0 => dot_q8_0(&w, &a),
             };
-            assert_eq!(
-                dot_kernel(fmt)(&w, &a).to_bits(),
-                portable.to_bits(),
-                "{fmt:?}"
+            let bits = |v: f32| v.to_bits();
+            assert_eq!(bits(dot_kernel(fmt)(&w, &a)), bits(portable), "{fmt:?} dot");
+            let four = dot4_kernel(fmt)([&w, &w, &w, &w], &a);
+            assert!(
+                four.iter().all(|&v| bits(v) == bits(portable)),
+                "{fmt:?} dot4"
             );
+            let u = Unpacked::new(fmt, [&w, &w, &w, &w]);
+            let mut tiles = vec![tile_kernel()(&u, &a), tile_portable(&u, &a)];
+            #[cfg(target_arch = "x86_64")]
+            if std::arch::is_x86_feature_detected!("avx2")
+                && std::arch::is_x86_feature_detected!("fma")
+            {
+                tiles.push(x86::tile(&u, &a));
+            }
+            for t in tiles {
+                assert!(t.iter().all(|&v| bits(v) == bits(portable)), "{fmt:?} tile");
+            }
         }
     }
 

@@ -63,13 +63,13 @@ impl ModelConfig {
         if self.num_heads == 0 || self.num_kv_heads == 0 || self.num_layers == 0 {
             return fail("head and layer counts must be at least 1".into());
         }
-        if self.num_heads % self.num_kv_heads != 0 {
+        if !self.num_heads.is_multiple_of(self.num_kv_heads) {
             return fail(format!(
                 "{} attention heads are not a multiple of {} key/value heads",
                 self.num_heads, self.num_kv_heads
             ));
         }
-        if self.head_dim % 2 != 0 {
+        if !self.head_dim.is_multiple_of(2) {
             return fail(format!(
                 "head dimension {} must be even for rotary embeddings",
                 self.head_dim

@@ -256,3 +256,29 @@ def test_sigterm_finishes_in_flight_requests_and_refuses_new_ones():
     t.join(timeout=120)
     assert result.get("tokens") == 60
     assert s.stop() == 0
+
+
+def test_a_full_waiting_queue_answers_503_with_retry_after():
+    s = Server("--max-num-seqs", "1", "--max-waiting-requests", "1")
+    client = s.client()
+    body = dict(model=NAME, prompt="Count: 1, 2, 3,", max_tokens=150, temperature=0, extra_body={"ignore_eos": True})
+    try:
+        busy = [threading.Thread(target=lambda: client.completions.create(**body)) for _ in range(2)]
+        busy[0].start()
+        time.sleep(0.5)
+        busy[1].start()
+        deadline = time.time() + 10
+        while server_waiting(s) < 1:
+            assert time.time() < deadline, "the second request never waited"
+            time.sleep(0.05)
+        r = httpx.post(s.url + "/v1/completions", json={"model": NAME, "prompt": "one more", "max_tokens": 2})
+        assert r.status_code == 503 and r.headers["retry-after"] == "1"
+        assert "--max-waiting-requests 1" in r.json()["error"]["message"]
+        for t in busy:
+            t.join(timeout=120)
+    finally:
+        s.stop()
+
+
+def server_waiting(server):
+    return server.metrics()[f'vllm:num_requests_waiting{{model_name="{NAME}"}}']

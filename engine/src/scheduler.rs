@@ -175,10 +175,15 @@ impl<E> Scheduler<E> {
                 i += 1;
             }
         }
-        let (keep, drop): (VecDeque<_>, VecDeque<_>) =
-            self.waiting.drain(..).partition(|s| !gone(s));
-        self.waiting = keep;
-        out.extend(drop);
+        // In place: the engine calls this every step, usually removing nothing.
+        let mut i = 0;
+        while i < self.waiting.len() {
+            if gone(&self.waiting[i]) {
+                out.extend(self.waiting.remove(i));
+            } else {
+                i += 1;
+            }
+        }
         out
     }
 

@@ -81,26 +81,6 @@ impl SequenceState {
         }
     }
 
-    /// Tokens generated so far.
-    pub fn output(&self) -> &[u32] {
-        &self.output
-    }
-
-    /// The full text generated so far (stop strings removed).
-    pub fn text(&self) -> &str {
-        &self.text
-    }
-
-    /// Why the sequence ended, once it has.
-    pub fn finish_reason(&self) -> Option<FinishReason> {
-        self.finish
-    }
-
-    /// The parameters the sequence was created with.
-    pub fn params(&self) -> &SamplingParams {
-        self.sampler.params()
-    }
-
     /// Samples the next token from `logits` (modified in place) and advances the text.
     pub fn step(&mut self, logits: &mut [f32], tokenizer: &Tokenizer) -> Result<Step> {
         let params = self.sampler.params();
@@ -144,12 +124,6 @@ impl SequenceState {
             text,
             finished: self.finish,
         })
-    }
-
-    /// Ends the sequence early (context full, cancelled) and returns any held-back text.
-    pub fn finish(&mut self, reason: FinishReason) -> String {
-        self.finish = Some(reason);
-        self.take_text()
     }
 
     fn find_stop(&self) -> Option<usize> {

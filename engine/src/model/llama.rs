@@ -372,11 +372,6 @@ pub fn log_softmax(logits: &[f32]) -> Vec<f32> {
         .collect()
 }
 
-/// Rows of a `[rows, vocab]` logits tensor as vectors.
-pub fn logits_rows(logits: &Tensor) -> Result<Vec<Vec<f32>>> {
-    Ok(logits.to_dtype(DType::F32)?.to_vec2::<f32>()?)
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;

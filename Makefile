@@ -6,7 +6,7 @@ CARGO ?= cargo
 MODEL := models/SmolLM2-135M-Instruct.Q4_1.gguf
 export FERRITE_TEST_MODEL := $(CURDIR)/$(MODEL)
 
-.PHONY: all model pyenv build run crds test fmt fmt-check lint bench clean
+.PHONY: all model pyenv k8s cluster build run crds test fmt fmt-check lint bench clean
 
 all: build
 
@@ -18,6 +18,16 @@ $(MODEL): scripts/fetch-model.sh
 ## pyenv: the Python environment the tests use (numpy reference model)
 pyenv:
 	@scripts/python-env.sh >/dev/null
+
+## k8s: build the test control plane (kube-apiserver, controller-manager, scheduler, etcd,
+## kwok, kubectl) from the Go module proxy into ~/.cache/ferrite/k8s/<version>/ (once)
+k8s:
+	@scripts/build-k8s.sh >/dev/null
+
+## cluster: run that control plane in the foreground with the LLMService CRD installed
+cluster: k8s
+	FERRITE_K8S_DIR="$$(scripts/build-k8s.sh --print-dir)" \
+	  $(CARGO) run --quiet -p ferrite-testcluster --bin ferrite-cluster -- crds/llmservice.yaml
 
 build:
 	$(CARGO) build --release
@@ -31,8 +41,9 @@ crds:
 	$(CARGO) run --quiet --release -p ferrite-crds --bin crdgen > crds/llmservice.yaml
 
 ## test: the whole suite (fetches the model and test tools first)
-test: model pyenv
-	FERRITE_PYTHON="$$(scripts/python-env.sh)" $(CARGO) test --workspace --all-targets
+test: model pyenv k8s
+	FERRITE_PYTHON="$$(scripts/python-env.sh)" FERRITE_K8S_DIR="$$(scripts/build-k8s.sh --print-dir)" \
+	  $(CARGO) test --workspace --all-targets
 	$(CARGO) test --workspace --doc
 	$(CARGO) build --release --bin ferrite-engine
 	FERRITE_BIN=$(CURDIR)/target/release/ferrite-engine "$$(scripts/python-env.sh)" -m pytest -q tests/api

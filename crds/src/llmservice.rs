@@ -7,12 +7,12 @@ use k8s_openapi::api::core::v1::{
     Affinity, EnvVar, LocalObjectReference, ResourceRequirements, Toleration,
 };
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition;
-use kube::CustomResource;
+use kube::{CustomResource, KubeSchema};
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
 /// A large language model served behind a cluster-internal OpenAI-compatible endpoint.
-#[derive(CustomResource, Deserialize, Serialize, Clone, Debug, PartialEq, JsonSchema)]
+#[derive(CustomResource, Deserialize, Serialize, Clone, Debug, PartialEq, KubeSchema)]
 #[kube(
     group = "serving.ferrite.dev",
     version = "v1alpha1",
@@ -30,6 +30,10 @@ use serde::{Deserialize, Serialize};
     printcolumn = r#"{"name":"Age","type":"date","jsonPath":".metadata.creationTimestamp"}"#
 )]
 #[serde(rename_all = "camelCase")]
+#[x_kube(validation = Rule::new(
+    "!has(self.autoscaling) || !has(self.replicas) || \
+     (self.replicas >= self.autoscaling.minReplicas && self.replicas <= self.autoscaling.maxReplicas)"
+).message("spec.replicas must lie within spec.autoscaling.minReplicas..maxReplicas when autoscaling is set").field_path(".replicas"))]
 pub struct LLMServiceSpec {
     /// Which model to serve and where its weights come from.
     pub model: ModelSpec,
@@ -39,6 +43,7 @@ pub struct LLMServiceSpec {
     /// Number of engine replicas when `autoscaling` is absent (also set by the scale
     /// subresource, `kubectl scale`, HPA or KEDA).
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 0))]
     pub replicas: Option<i32>,
     /// Scale on time-to-first-token and queue depth scraped from the engines.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -50,6 +55,8 @@ pub struct LLMServiceSpec {
     /// Extended resource name of the GPUs (e.g. `nvidia.com/gpu`); each replica requests
     /// `tensorParallelSize * pipelineParallelSize` of them. Omitted: the CPU engine.
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(min = 3, max = 253))]
+    #[x_kube(validation = Rule::new("self.contains('/')").message("spec.gpuResource must be an extended resource name such as nvidia.com/gpu"))]
     pub gpu_resource: Option<String>,
     /// Engine image, overriding the operator's default.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -63,13 +70,21 @@ pub struct LLMServiceSpec {
 }
 
 /// The model and its source.
-#[derive(Deserialize, Serialize, Clone, Debug, PartialEq, JsonSchema)]
+#[derive(Deserialize, Serialize, Clone, Debug, PartialEq, KubeSchema)]
 #[serde(rename_all = "camelCase")]
+#[x_kube(validation = Rule::new("!has(self.revision) || self.source.startsWith('hf://')")
+    .message("spec.model.revision is only allowed with hf:// sources").field_path(".revision"))]
 pub struct ModelSpec {
     /// Where the weights are: `hf://org/repo`, `pvc://claim/path` or `file:///abs/path`.
+    #[schemars(length(min = 1, max = 1024))]
+    #[x_kube(validation = Rule::new(
+        "self.matches('^hf://[A-Za-z0-9][-A-Za-z0-9_.]*/[A-Za-z0-9][-A-Za-z0-9_.]*$') || \
+         self.matches('^pvc://[a-z0-9]([-a-z0-9.]*[a-z0-9])?/.*$') || self.matches('^file:///.+$')"
+    ).message("spec.model.source must be hf://org/repo, pvc://claim/path or file:///abs/path"))]
     pub source: String,
     /// Hugging Face revision (branch, tag or commit); only with `hf://` sources.
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(min = 1, max = 255))]
     pub revision: Option<String>,
     /// Which file to load when the source holds several GGUF files.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -83,30 +98,38 @@ pub struct ModelSpec {
 }
 
 /// Engine settings, each mapped one to one to a vLLM-named engine flag.
-#[derive(Deserialize, Serialize, Clone, Debug, Default, PartialEq, JsonSchema)]
+#[derive(Deserialize, Serialize, Clone, Debug, Default, PartialEq, KubeSchema)]
 #[serde(rename_all = "camelCase")]
 pub struct EngineSpec {
     /// GPUs a model is split across within a node (`--tensor-parallel-size`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 1))]
     pub tensor_parallel_size: Option<i32>,
     /// Pipeline stages a model is split into (`--pipeline-parallel-size`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 1))]
     pub pipeline_parallel_size: Option<i32>,
     /// Fraction of device memory for weights, activations and KV cache, in (0, 1]
     /// (`--gpu-memory-utilization`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[x_kube(validation = Rule::new("self > 0.0 && self <= 1.0")
+        .message("spec.engine.gpuMemoryUtilization must be in (0, 1]"))]
     pub gpu_memory_utilization: Option<f64>,
     /// Longest prompt plus completion (`--max-model-len`); default: the model's own.
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 1))]
     pub max_model_len: Option<i64>,
     /// Sequences running at once (`--max-num-seqs`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 1))]
     pub max_num_seqs: Option<i64>,
     /// Tokens per engine step; longer prompts are chunked (`--max-num-batched-tokens`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 1))]
     pub max_num_batched_tokens: Option<i64>,
     /// Tokens per KV cache block (`--block-size`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 1))]
     pub block_size: Option<i64>,
     /// Share KV blocks of common prompt prefixes (`--enable-prefix-caching` /
     /// `--no-enable-prefix-caching`).
@@ -118,27 +141,45 @@ pub struct EngineSpec {
 }
 
 /// Autoscaling on latency and queue depth.
-#[derive(Deserialize, Serialize, Clone, Debug, PartialEq, JsonSchema)]
+#[derive(Deserialize, Serialize, Clone, Debug, PartialEq, KubeSchema)]
 #[serde(rename_all = "camelCase")]
+#[x_kube(validation = Rule::new("self.minReplicas <= self.maxReplicas")
+    .message("spec.autoscaling.minReplicas must not exceed maxReplicas").field_path(".minReplicas"))]
+#[x_kube(validation = Rule::new("has(self.targetTTFTSeconds) || has(self.targetQueueDepth)")
+    .message("spec.autoscaling needs targetTTFTSeconds, targetQueueDepth or both"))]
 pub struct AutoscalingSpec {
-    /// Fewest replicas.
+    /// Fewest replicas (at least 1).
+    #[schemars(range(min = 1))]
     pub min_replicas: i32,
     /// Most replicas.
+    #[schemars(range(min = 1))]
     pub max_replicas: i32,
     /// Target time to first token at `ttftQuantile`, in seconds.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[serde(
+        default,
+        rename = "targetTTFTSeconds",
+        skip_serializing_if = "Option::is_none"
+    )]
+    #[x_kube(validation = Rule::new("self > 0.0")
+        .message("spec.autoscaling.targetTTFTSeconds must be greater than 0"))]
     pub target_ttft_seconds: Option<f64>,
     /// Quantile of TTFT over the window that must meet the target, in (0, 1).
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[x_kube(validation = Rule::new("self > 0.0 && self < 1.0")
+        .message("spec.autoscaling.ttftQuantile must be in (0, 1), e.g. 0.9"))]
     pub ttft_quantile: Option<f64>,
     /// Target waiting requests per ready replica.
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[x_kube(validation = Rule::new("self > 0.0")
+        .message("spec.autoscaling.targetQueueDepth must be greater than 0"))]
     pub target_queue_depth: Option<f64>,
     /// Window the TTFT quantile is computed over, in seconds.
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 1))]
     pub window_seconds: Option<i64>,
     /// Scale down only to the highest recommendation of this many seconds.
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 0))]
     pub scale_down_stabilization_seconds: Option<i64>,
 }
 
@@ -167,14 +208,18 @@ pub struct PodSettings {
 }
 
 /// Rolling update bounds.
-#[derive(Deserialize, Serialize, Clone, Debug, PartialEq, JsonSchema)]
+#[derive(Deserialize, Serialize, Clone, Debug, PartialEq, KubeSchema)]
 #[serde(rename_all = "camelCase")]
+#[x_kube(validation = Rule::new("(has(self.maxSurge) ? self.maxSurge : 1) + (has(self.maxUnavailable) ? self.maxUnavailable : 0) > 0")
+    .message("spec.rollout.maxSurge and maxUnavailable must not both be 0"))]
 pub struct RolloutSpec {
-    /// Extra replicas a rollout may start above the desired count.
+    /// Extra replicas a rollout may start above the desired count (default 1).
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 0))]
     pub max_surge: Option<i32>,
-    /// Replicas a rollout may take out of service at once.
+    /// Replicas a rollout may take out of service at once (default 0).
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 0))]
     pub max_unavailable: Option<i32>,
 }
 
@@ -190,6 +235,7 @@ pub struct LLMServiceStatus {
     pub phase: Option<String>,
     /// Engine pods that exist.
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 0))]
     pub replicas: Option<i32>,
     /// Engine pods that serve traffic.
     #[serde(default, skip_serializing_if = "Option::is_none")]

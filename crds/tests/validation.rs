@@ -1,0 +1,177 @@
+//! The API server itself refuses bad LLMService manifests, with a message that names the
+//! field: the CRD's schema and CEL rules, checked by a real kube-apiserver.
+
+use std::path::Path;
+
+use ferrite_crds::LLMService;
+use ferrite_testcluster::{install_crds, TestCluster};
+use kube::api::{Api, PostParams};
+use serde_json::{json, Value};
+
+fn manifest(name: &str, spec: Value) -> LLMService {
+    serde_json::from_value(json!({
+        "apiVersion": "serving.ferrite.dev/v1alpha1",
+        "kind": "LLMService",
+        "metadata": {"name": name},
+        "spec": spec,
+    }))
+    .expect("the test manifest deserializes")
+}
+
+fn hf() -> Value {
+    json!({"source": "hf://HuggingFaceTB/SmolLM2-135M-Instruct"})
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn api_server_refuses_invalid_manifests_naming_the_field() {
+    let cluster = TestCluster::shared();
+    let client = cluster.client().await.expect("client");
+    let crd = Path::new(env!("CARGO_MANIFEST_DIR")).join("llmservice.yaml");
+    install_crds(&client, &crd)
+        .await
+        .expect("install the LLMService CRD");
+    let ns = cluster
+        .namespace(&client, "validation")
+        .await
+        .expect("namespace");
+    let api = Api::<LLMService>::namespaced(client, &ns);
+
+    // A complete valid manifest is accepted, so the refusals below are the rules' doing.
+    let valid = manifest(
+        "valid",
+        json!({
+            "model": {"source": "hf://HuggingFaceTB/SmolLM2-135M-Instruct", "revision": "main"},
+            "engine": {"gpuMemoryUtilization": 1.0, "maxNumSeqs": 8, "blockSize": 16},
+            "replicas": 2,
+            "autoscaling": {"minReplicas": 1, "maxReplicas": 4, "targetTTFTSeconds": 0.5,
+                            "ttftQuantile": 0.9, "targetQueueDepth": 4},
+            "gpuResource": "nvidia.com/gpu",
+            "rollout": {"maxSurge": 0, "maxUnavailable": 1},
+        }),
+    );
+    api.create(&PostParams::default(), &valid)
+        .await
+        .expect("a valid manifest is accepted");
+    for source in [
+        "pvc://models/llama/model.gguf",
+        "file:///models/smollm2.gguf",
+    ] {
+        let name = format!("ok-{}", &source[..3]);
+        let m = manifest(&name, json!({"model": {"source": source}}));
+        api.create(&PostParams::default(), &m).await.expect(source);
+    }
+
+    let cases: Vec<(&str, Value, &str)> = vec![
+        (
+            "gpu-mem-zero",
+            json!({"model": hf(), "engine": {"gpuMemoryUtilization": 0.0}}),
+            "gpuMemoryUtilization must be in (0, 1]",
+        ),
+        (
+            "gpu-mem-above-one",
+            json!({"model": hf(), "engine": {"gpuMemoryUtilization": 1.5}}),
+            "gpuMemoryUtilization must be in (0, 1]",
+        ),
+        (
+            "tp-zero",
+            json!({"model": hf(), "engine": {"tensorParallelSize": 0}}),
+            "spec.engine.tensorParallelSize",
+        ),
+        (
+            "seqs-zero",
+            json!({"model": hf(), "engine": {"maxNumSeqs": 0}}),
+            "spec.engine.maxNumSeqs",
+        ),
+        (
+            "block-zero",
+            json!({"model": hf(), "engine": {"blockSize": 0}}),
+            "spec.engine.blockSize",
+        ),
+        (
+            "min-above-max",
+            json!({"model": hf(), "autoscaling":
+            {"minReplicas": 5, "maxReplicas": 2, "targetQueueDepth": 4}}),
+            "minReplicas must not exceed maxReplicas",
+        ),
+        (
+            "ttft-zero",
+            json!({"model": hf(), "autoscaling":
+            {"minReplicas": 1, "maxReplicas": 2, "targetTTFTSeconds": 0.0}}),
+            "targetTTFTSeconds must be greater than 0",
+        ),
+        (
+            "quantile-one",
+            json!({"model": hf(), "autoscaling":
+            {"minReplicas": 1, "maxReplicas": 2, "targetTTFTSeconds": 1.0, "ttftQuantile": 1.0}}),
+            "ttftQuantile must be in (0, 1)",
+        ),
+        (
+            "no-target",
+            json!({"model": hf(), "autoscaling": {"minReplicas": 1, "maxReplicas": 2}}),
+            "needs targetTTFTSeconds, targetQueueDepth or both",
+        ),
+        (
+            "bad-scheme",
+            json!({"model": {"source": "s3://bucket/model"}}),
+            "spec.model.source must be hf://org/repo, pvc://claim/path or file:///abs/path",
+        ),
+        (
+            "hf-no-repo",
+            json!({"model": {"source": "hf://just-an-org"}}),
+            "spec.model.source must be",
+        ),
+        (
+            "file-relative",
+            json!({"model": {"source": "file://models/x.gguf"}}),
+            "spec.model.source must be",
+        ),
+        (
+            "revision-with-pvc",
+            json!({"model": {"source": "pvc://models/x.gguf", "revision": "v2"}}),
+            "revision is only allowed with hf:// sources",
+        ),
+        (
+            "replicas-outside",
+            json!({"model": hf(), "replicas": 9, "autoscaling":
+            {"minReplicas": 1, "maxReplicas": 4, "targetQueueDepth": 4}}),
+            "spec.replicas must lie within",
+        ),
+        (
+            "negative-replicas",
+            json!({"model": hf(), "replicas": -1}),
+            "spec.replicas",
+        ),
+        (
+            "gpu-resource-name",
+            json!({"model": hf(), "gpuResource": "gpu"}),
+            "spec.gpuResource must be an extended resource name",
+        ),
+        (
+            "rollout-stuck",
+            json!({"model": hf(), "rollout": {"maxSurge": 0, "maxUnavailable": 0}}),
+            "maxSurge and maxUnavailable must not both be 0",
+        ),
+    ];
+    assert!(cases.len() >= 10);
+    for (name, spec, expected) in cases {
+        let err = api
+            .create(&PostParams::default(), &manifest(name, spec))
+            .await
+            .expect_err(&format!("{name}: the API server must refuse it"));
+        let text = match &err {
+            kube::Error::Api(s) => {
+                assert_eq!(s.code, 422, "{name}: {s:?}");
+                s.message.clone()
+            }
+            other => panic!("{name}: expected a 422 from the API server, got {other}"),
+        };
+        assert!(
+            text.contains(expected),
+            "{name}: {text:?} does not contain {expected:?}"
+        );
+        assert!(
+            text.contains("spec."),
+            "{name}: message names no field: {text}"
+        );
+    }
+}

@@ -27,7 +27,8 @@ use serde::{Deserialize, Serialize};
     printcolumn = r#"{"name":"Ready","type":"integer","jsonPath":".status.readyReplicas"}"#,
     printcolumn = r#"{"name":"TTFT","type":"number","jsonPath":".status.autoscaling.ttftSeconds"}"#,
     printcolumn = r#"{"name":"Queue","type":"number","jsonPath":".status.autoscaling.queueDepthPerReplica"}"#,
-    printcolumn = r#"{"name":"Age","type":"date","jsonPath":".metadata.creationTimestamp"}"#
+    printcolumn = r#"{"name":"Age","type":"date","jsonPath":".metadata.creationTimestamp"}"#,
+    validation = Rule::new("size(self.metadata.name) <= 63").message("metadata.name must be at most 63 characters: it names the Service")
 )]
 #[serde(rename_all = "camelCase")]
 #[x_kube(validation = Rule::new(
@@ -202,9 +203,15 @@ pub struct PodSettings {
     /// Secrets for pulling the engine image.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub image_pull_secrets: Vec<LocalObjectReference>,
-    /// Extra environment variables of the engine container.
+    /// Extra environment variables of the engine container (`HF_ENDPOINT` also reaches the
+    /// model downloader).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub env: Vec<EnvVar>,
+    /// Seconds the startup probe allows for the model to load before the pod is restarted;
+    /// default: sized from the model (5 minutes plus 20 s per billion parameters in its name).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 10))]
+    pub startup_timeout_seconds: Option<i64>,
 }
 
 /// Rolling update bounds.

@@ -1,0 +1,103 @@
+//! Pure functions from an `LLMService` to the objects that serve it: a Deployment of engine
+//! pods, a Service and (with more than one replica) a PodDisruptionBudget. No cluster access:
+//! the reconciler applies what these return with server-side apply.
+
+mod deployment;
+mod pdb;
+mod service;
+
+use std::collections::BTreeMap;
+
+use ferrite_crds::LLMService;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, OwnerReference};
+use kube::Resource;
+
+pub use deployment::{deployment, model_path, startup_timeout_seconds};
+pub use pdb::pdb;
+pub use service::service;
+
+use crate::Error;
+
+/// The label every child object carries, with the LLMService's name; also the pod selector.
+pub const LLMSERVICE_LABEL: &str = "serving.ferrite.dev/llmservice";
+/// The HTTP port of the engine (OpenAI API, `/health`, `/metrics`).
+pub const ENGINE_PORT: i32 = 8000;
+/// Name of the engine container.
+pub const ENGINE_CONTAINER: &str = "engine";
+/// Name of the init container that downloads `hf://` models.
+pub const DOWNLOAD_CONTAINER: &str = "model-download";
+
+/// Operator-wide settings the render functions need.
+#[derive(Debug, Clone)]
+pub struct RenderConfig {
+    /// Engine image used when the spec names none.
+    pub engine_image: String,
+    /// Seconds the engine drains in-flight requests after SIGTERM (`--shutdown-timeout`).
+    pub drain_timeout_seconds: i64,
+}
+
+impl Default for RenderConfig {
+    fn default() -> Self {
+        Self {
+            engine_image: format!(
+                "ghcr.io/ferrite-serving/ferrite-engine:{}",
+                env!("CARGO_PKG_VERSION")
+            ),
+            drain_timeout_seconds: 30,
+        }
+    }
+}
+
+/// The LLMService's name, or an error for an object without one.
+pub fn name_of(svc: &LLMService) -> Result<String, Error> {
+    svc.metadata
+        .name
+        .clone()
+        .ok_or(Error::MissingField("metadata.name"))
+}
+
+/// The pod selector: `serving.ferrite.dev/llmservice=<name>`.
+pub fn selector_labels(name: &str) -> BTreeMap<String, String> {
+    BTreeMap::from([(LLMSERVICE_LABEL.to_string(), name.to_string())])
+}
+
+/// The standard `app.kubernetes.io/*` labels plus the selector label.
+pub fn labels(name: &str) -> BTreeMap<String, String> {
+    let mut l = selector_labels(name);
+    for (k, v) in [
+        ("app.kubernetes.io/name", "ferrite-engine"),
+        ("app.kubernetes.io/instance", name),
+        ("app.kubernetes.io/component", "inference-engine"),
+        ("app.kubernetes.io/part-of", "ferrite"),
+        ("app.kubernetes.io/managed-by", "ferrite-operator"),
+    ] {
+        l.insert(k.to_string(), v.to_string());
+    }
+    l
+}
+
+/// Metadata of a child object: same name and namespace, the labels, and a controller owner
+/// reference to the LLMService (so deleting it deletes the child).
+pub fn child_meta(svc: &LLMService) -> Result<ObjectMeta, Error> {
+    let name = name_of(svc)?;
+    let owner: OwnerReference = svc
+        .controller_owner_ref(&())
+        .ok_or(Error::MissingField("metadata.uid"))?;
+    Ok(ObjectMeta {
+        name: Some(name.clone()),
+        namespace: svc.metadata.namespace.clone(),
+        labels: Some(labels(&name)),
+        owner_references: Some(vec![owner]),
+        ..Default::default()
+    })
+}
+
+/// Replicas the Deployment should have when no autoscaler decides: `spec.replicas` (default 1),
+/// clamped into the autoscaling bounds when autoscaling is set.
+pub fn spec_replicas(svc: &LLMService) -> i32 {
+    let r = svc.spec.replicas.unwrap_or(1).max(0);
+    match &svc.spec.autoscaling {
+        Some(a) => r.clamp(a.min_replicas, a.max_replicas.max(a.min_replicas)),
+        None => r,
+    }
+}

@@ -30,6 +30,24 @@ pub enum Command {
     Bench(BenchArgs),
     /// Serve the model over the OpenAI-compatible HTTP API.
     Serve(Box<ServeArgs>),
+    /// Fetch a model from the Hugging Face hub (HF_ENDPOINT, HF_TOKEN) into a folder.
+    Download(DownloadArgs),
+}
+
+/// Flags of `ferrite-engine download`.
+#[derive(Debug, Args)]
+pub struct DownloadArgs {
+    /// `hf://org/repo` or `hf://org/repo@revision` (default revision: main).
+    pub source: String,
+    /// Folder to write the files into (created if missing).
+    #[arg(long)]
+    pub to: PathBuf,
+    /// Only this file of the repository (e.g. one GGUF of several).
+    #[arg(long)]
+    pub file: Option<String>,
+    /// The hub's base URL.
+    #[arg(long, env = "HF_ENDPOINT", default_value = crate::download::DEFAULT_ENDPOINT)]
+    pub endpoint: String,
 }
 
 /// Where and how the HTTP server listens.
@@ -273,7 +291,32 @@ pub fn run(cli: Cli) -> Result<()> {
         Command::Generate(args) => generate(*args),
         Command::Bench(args) => crate::bench::run(&args),
         Command::Serve(args) => serve(*args),
+        Command::Download(args) => download(args),
     }
+}
+
+fn download(args: DownloadArgs) -> Result<()> {
+    use crate::download::{download, DownloadRequest};
+    let (repo, revision) = DownloadRequest::parse_source(&args.source)?;
+    let token = std::env::var("HF_TOKEN")
+        .ok()
+        .filter(|t| !t.trim().is_empty());
+    let req = DownloadRequest {
+        repo,
+        revision,
+        file: args.file,
+        to: args.to,
+        endpoint: args.endpoint,
+        token,
+    };
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()?;
+    let files = runtime.block_on(download(&req))?;
+    for f in files {
+        println!("{}", f.display());
+    }
+    Ok(())
 }
 
 /// Where Kubernetes reads a container's termination message.

@@ -25,6 +25,12 @@ pub enum Error {
     /// The HTTP server could not start or stopped with an error.
     #[error("server: {0}")]
     Server(String),
+    /// A model download failed; the message says what to change or that rerunning resumes.
+    #[error("download: {0}")]
+    Download(String),
+    /// A file could not be read or written.
+    #[error("i/o: {0}")]
+    Io(#[from] std::io::Error),
     /// A tensor operation failed (a bug or an inconsistent model file).
     #[error("tensor: {0}")]
     Tensor(#[from] candle_core::Error),

@@ -3,6 +3,7 @@
 
 pub mod bench;
 pub mod cli;
+pub mod download;
 pub mod engine;
 pub mod error;
 pub mod generate;

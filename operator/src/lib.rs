@@ -1,6 +1,7 @@
 //! Ferrite's operator: turns `LLMService` objects into engine Deployments, Services and
 //! PodDisruptionBudgets, keeps their status honest, and elects one leader among its replicas.
 
+pub mod autoscale;
 pub mod error;
 pub mod leader;
 pub mod metrics;
@@ -48,6 +49,8 @@ pub struct Options {
     pub identity: String,
     /// How long a lease holds without renewal.
     pub lease_duration: Duration,
+    /// Autoscaler timing and the engines' metrics port.
+    pub autoscale: autoscale::Settings,
 }
 
 impl Default for Options {
@@ -62,6 +65,7 @@ impl Default for Options {
             lease_name: "ferrite-operator".into(),
             identity: "ferrite-operator".into(),
             lease_duration: Duration::from_secs(15),
+            autoscale: autoscale::Settings::default(),
         }
     }
 }
@@ -133,6 +137,29 @@ pub async fn run(
         ),
         metrics.clone(),
     ));
+    let autoscale_metrics = autoscale::AutoscaleMetrics::new(metrics.registry())
+        .map_err(|e| Error::Leader(format!("metrics: {e}")))?;
+    let autoscaler = tokio::spawn(autoscale::run(
+        client.clone(),
+        opts.namespace.clone(),
+        opts.autoscale.clone(),
+        Recorder::new(
+            client.clone(),
+            Reporter {
+                controller: "ferrite-operator".into(),
+                instance: Some(opts.identity.clone()),
+            },
+        ),
+        autoscale_metrics,
+    ));
+    // Stops the autoscaler whenever `run` returns.
+    struct AbortOnDrop(tokio::task::JoinHandle<()>);
+    impl Drop for AbortOnDrop {
+        fn drop(&mut self) {
+            self.0.abort();
+        }
+    }
+    let _autoscaler = AbortOnDrop(autoscaler);
     let (llms, deployments, services, pods) = match &opts.namespace {
         Some(ns) => (
             Api::<LLMService>::namespaced(client.clone(), ns),

@@ -34,6 +34,15 @@ struct Args {
     /// Seconds a lease holds without renewal.
     #[arg(long, default_value_t = 15)]
     lease_duration_seconds: u64,
+    /// Seconds between autoscaling decisions.
+    #[arg(long, default_value_t = 15)]
+    autoscale_interval: u64,
+    /// Seconds to wait for one engine's /metrics.
+    #[arg(long, default_value_t = 2)]
+    scrape_timeout: u64,
+    /// Port of the engines' /metrics.
+    #[arg(long, default_value_t = 8000)]
+    engine_metrics_port: u16,
     /// This replica's identity (default: the pod name, else the host name).
     #[arg(long, env = "POD_NAME")]
     identity: Option<String>,
@@ -63,6 +72,11 @@ async fn main() {
         lease_name: args.lease_name,
         identity,
         lease_duration: Duration::from_secs(args.lease_duration_seconds.max(3)),
+        autoscale: ferrite_operator::autoscale::Settings {
+            interval: Duration::from_secs(args.autoscale_interval.max(1)),
+            scrape_timeout: Duration::from_secs(args.scrape_timeout.max(1)),
+            metrics_port: args.engine_metrics_port,
+        },
     };
     let client = match kube::Client::try_default().await {
         Ok(c) => c,

@@ -1,0 +1,337 @@
+//! The autoscaler: every interval, for each autoscaled LLMService, scrape `/metrics` of its
+//! ready pods, keep TTFT histogram windows, decide ([`policy::decide`]) and act — by recording
+//! the decision in status (`desiredReplicas`), which the reconciler applies to the Deployment.
+//! `LLMService.spec` is never written, so a GitOps tool that owns the manifest never fights it.
+
+pub mod policy;
+pub mod window;
+
+use std::collections::HashMap;
+use std::time::Duration;
+
+use ferrite_crds::LLMService;
+use futures::future::join_all;
+use k8s_openapi::api::core::v1::Pod;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
+use k8s_openapi::jiff::Timestamp;
+use kube::api::{Api, ListParams, Patch, PatchParams};
+use kube::runtime::events::{Event, EventType, Recorder};
+use kube::{Client, Resource, ResourceExt};
+use prometheus::{GaugeVec, IntCounterVec, Opts, Registry};
+use serde_json::json;
+
+use crate::render::LLMSERVICE_LABEL;
+use policy::{decide, Inputs, PodLoad, Recommendation, Targets};
+use window::{EngineSample, PodWindow};
+
+/// The annotation the ReplicaSet controller reads to choose which pods to remove first.
+pub const POD_DELETION_COST: &str = "controller.kubernetes.io/pod-deletion-cost";
+
+/// Autoscaler settings.
+#[derive(Debug, Clone)]
+pub struct Settings {
+    /// Time between decisions.
+    pub interval: Duration,
+    /// Per-pod scrape timeout.
+    pub scrape_timeout: Duration,
+    /// Port of the engines' `/metrics`.
+    pub metrics_port: u16,
+}
+
+impl Default for Settings {
+    fn default() -> Self {
+        Self {
+            interval: Duration::from_secs(15),
+            scrape_timeout: Duration::from_secs(2),
+            metrics_port: 8000,
+        }
+    }
+}
+
+/// The autoscaler's metrics.
+#[derive(Clone)]
+pub struct AutoscaleMetrics {
+    scrape_errors: IntCounterVec,
+    decisions: IntCounterVec,
+    ttft: GaugeVec,
+    queue: GaugeVec,
+}
+
+impl AutoscaleMetrics {
+    /// Registers the autoscaler's metrics.
+    pub fn new(registry: &Registry) -> Result<Self, prometheus::Error> {
+        let scrape_errors = IntCounterVec::new(
+            Opts::new(
+                "ferrite_operator_scrape_errors_total",
+                "Engine /metrics scrapes that failed",
+            ),
+            &["namespace", "llmservice"],
+        )?;
+        let decisions = IntCounterVec::new(
+            Opts::new(
+                "ferrite_operator_autoscale_decisions_total",
+                "Autoscaler decisions by direction",
+            ),
+            &["namespace", "llmservice", "direction"],
+        )?;
+        let ttft = GaugeVec::new(
+            Opts::new(
+                "ferrite_operator_autoscale_ttft_seconds",
+                "Last computed TTFT quantile",
+            ),
+            &["namespace", "llmservice"],
+        )?;
+        let queue = GaugeVec::new(
+            Opts::new(
+                "ferrite_operator_autoscale_queue_depth_per_replica",
+                "Last computed queue depth per ready replica",
+            ),
+            &["namespace", "llmservice"],
+        )?;
+        registry.register(Box::new(scrape_errors.clone()))?;
+        registry.register(Box::new(decisions.clone()))?;
+        registry.register(Box::new(ttft.clone()))?;
+        registry.register(Box::new(queue.clone()))?;
+        Ok(Self {
+            scrape_errors,
+            decisions,
+            ttft,
+            queue,
+        })
+    }
+}
+
+/// Per-LLMService memory between intervals.
+#[derive(Default)]
+struct ServiceState {
+    windows: HashMap<String, PodWindow>,
+    history: Vec<Recommendation>,
+}
+
+/// Scrapes one engine's `/metrics`.
+pub async fn scrape(http: &reqwest::Client, url: &str, timeout: Duration) -> Option<EngineSample> {
+    let resp = http.get(url).timeout(timeout).send().await.ok()?;
+    if !resp.status().is_success() {
+        return None;
+    }
+    window::parse(&resp.text().await.ok()?)
+}
+
+fn pod_ready(p: &Pod) -> bool {
+    p.metadata.deletion_timestamp.is_none()
+        && p.status
+            .as_ref()
+            .and_then(|s| s.conditions.as_ref())
+            .is_some_and(|cs| cs.iter().any(|c| c.type_ == "Ready" && c.status == "True"))
+}
+
+/// Runs the autoscaler until the future is dropped.
+pub async fn run(
+    client: Client,
+    namespace: Option<String>,
+    settings: Settings,
+    recorder: Recorder,
+    metrics: AutoscaleMetrics,
+) {
+    let http = reqwest::Client::new();
+    let mut state: HashMap<String, ServiceState> = HashMap::new();
+    let started = tokio::time::Instant::now();
+    let mut tick = tokio::time::interval(settings.interval);
+    loop {
+        tick.tick().await;
+        let llms: Api<LLMService> = match &namespace {
+            Some(ns) => Api::namespaced(client.clone(), ns),
+            None => Api::all(client.clone()),
+        };
+        let list = match llms.list(&ListParams::default()).await {
+            Ok(l) => l.items,
+            Err(e) => {
+                tracing::warn!(error = %e, "autoscaler: cannot list LLMServices");
+                continue;
+            }
+        };
+        let now = started.elapsed().as_secs_f64();
+        let keys: Vec<String> = list
+            .iter()
+            .map(|s| format!("{}/{}", s.namespace().unwrap_or_default(), s.name_any()))
+            .collect();
+        state.retain(|k, _| keys.contains(k));
+        for svc in list.iter().filter(|s| s.spec.autoscaling.is_some()) {
+            let key = format!("{}/{}", svc.namespace().unwrap_or_default(), svc.name_any());
+            let st = state.entry(key).or_default();
+            if let Err(e) = step(&client, &http, svc, st, now, &settings, &recorder, &metrics).await
+            {
+                tracing::warn!(llmservice = %svc.name_any(), error = %e, "autoscaler step failed");
+            }
+        }
+    }
+}
+
+#[allow(clippy::too_many_arguments)]
+async fn step(
+    client: &Client,
+    http: &reqwest::Client,
+    svc: &LLMService,
+    st: &mut ServiceState,
+    now: f64,
+    settings: &Settings,
+    recorder: &Recorder,
+    metrics: &AutoscaleMetrics,
+) -> Result<(), kube::Error> {
+    let Some(spec) = &svc.spec.autoscaling else {
+        return Ok(());
+    };
+    let targets = Targets::from_spec(spec);
+    let ns = svc.namespace().unwrap_or_default();
+    let name = svc.name_any();
+    let pods_api = Api::<Pod>::namespaced(client.clone(), &ns);
+    let pods: Vec<Pod> = pods_api
+        .list(&ListParams::default().labels(&format!("{LLMSERVICE_LABEL}={name}")))
+        .await?
+        .items
+        .into_iter()
+        .filter(pod_ready)
+        .collect();
+    let current = crate::reconcile::desired_replicas(svc);
+
+    let scrapes = join_all(pods.iter().map(|p| {
+        let ip = p.status.as_ref().and_then(|s| s.pod_ip.clone());
+        let url = ip.map(|ip| format!("http://{ip}:{}/metrics", settings.metrics_port));
+        async move {
+            match url {
+                Some(u) => scrape(http, &u, settings.scrape_timeout).await,
+                None => None,
+            }
+        }
+    }))
+    .await;
+
+    let mut loads = Vec::new();
+    let mut in_window = Vec::new();
+    for (pod, sample) in pods.iter().zip(&scrapes) {
+        let pod_name = pod.name_any();
+        match sample {
+            Some(s) => {
+                loads.push(Some(PodLoad {
+                    waiting: s.waiting,
+                    running: s.running,
+                }));
+                let w = st.windows.entry(pod_name).or_default();
+                w.record(now, s.ttft.clone(), targets.window_seconds);
+                if let Some(h) = w.in_window() {
+                    in_window.push(h);
+                }
+            }
+            None => {
+                metrics.scrape_errors.with_label_values(&[&ns, &name]).inc();
+                loads.push(None);
+            }
+        }
+    }
+    let names: Vec<String> = pods.iter().map(|p| p.name_any()).collect();
+    st.windows.retain(|k, _| names.contains(k));
+    let ttft = window::quantile(targets.ttft_quantile, &window::sum(&in_window));
+    let since = now - targets.stabilization_seconds;
+    st.history.retain(|(at, _)| *at >= since);
+    let d = decide(&Inputs {
+        targets: &targets,
+        current,
+        pods: &loads,
+        ttft,
+        history: &st.history,
+        now,
+    });
+    st.history.push((now, d.recommendation));
+
+    if let Some(v) = ttft {
+        metrics.ttft.with_label_values(&[&ns, &name]).set(v);
+    }
+    if let Some(q) = d.queue_per_replica {
+        metrics.queue.with_label_values(&[&ns, &name]).set(q);
+    }
+    let direction = match d.desired.cmp(&current) {
+        std::cmp::Ordering::Greater => "up",
+        std::cmp::Ordering::Less => "down",
+        std::cmp::Ordering::Equal => "none",
+    };
+    metrics
+        .decisions
+        .with_label_values(&[&ns, &name, direction])
+        .inc();
+
+    // Before a scale-down, mark the pods with the fewest running requests as cheapest to delete.
+    if d.desired < current {
+        for (pod, sample) in pods.iter().zip(&scrapes) {
+            let running = sample.as_ref().map_or(0.0, |s| s.running);
+            let patch = json!({"metadata": {"annotations": {POD_DELETION_COST: format!("{}", running.round() as i64)}}});
+            let _ = pods_api
+                .patch(
+                    &pod.name_any(),
+                    &PatchParams::default(),
+                    &Patch::Merge(&patch),
+                )
+                .await;
+        }
+    }
+
+    let mut status = svc.status.clone().unwrap_or_default();
+    let mut auto = status.autoscaling.clone().unwrap_or_default();
+    auto.ttft_seconds = ttft;
+    auto.queue_depth_per_replica = d.queue_per_replica;
+    let changed = d.desired != current;
+    if changed {
+        let reason = format!("scaled {current} -> {}: {}", d.desired, d.reason);
+        auto.last_scale_time = Some(Timestamp::now().to_string());
+        auto.last_scale_reason = Some(reason.clone());
+        let ev = Event {
+            type_: EventType::Normal,
+            reason: "Autoscaled".into(),
+            note: Some(reason),
+            action: "Scale".into(),
+            secondary: None,
+        };
+        if let Err(e) = recorder.publish(&ev, &svc.object_ref(&())).await {
+            tracing::warn!(error = %e, "could not publish an Event");
+        }
+    }
+    status.desired_replicas = Some(d.desired);
+    status.autoscaling = Some(auto);
+    let prev_limited = status
+        .conditions
+        .iter()
+        .find(|c| c.type_ == "ScalingLimited")
+        .cloned();
+    status.conditions.retain(|c| c.type_ != "ScalingLimited");
+    let limited = d.limited.is_some();
+    let since = prev_limited
+        .filter(|c| (c.status == "True") == limited)
+        .map(|c| c.last_transition_time)
+        .unwrap_or(Time(Timestamp::now()));
+    status.conditions.push(Condition {
+        type_: "ScalingLimited".into(),
+        status: if limited { "True" } else { "False" }.into(),
+        reason: if limited {
+            "BoundsReached"
+        } else {
+            "WithinBounds"
+        }
+        .into(),
+        message: d.limited.clone().unwrap_or_else(|| {
+            format!(
+                "{} replicas are within [{}, {}]",
+                d.desired, targets.min, targets.max
+            )
+        }),
+        observed_generation: svc.metadata.generation,
+        last_transition_time: since,
+    });
+    let patch = json!({"status": {
+        "desiredReplicas": status.desired_replicas,
+        "autoscaling": status.autoscaling,
+        "conditions": status.conditions,
+    }});
+    Api::<LLMService>::namespaced(client.clone(), &ns)
+        .patch_status(&name, &PatchParams::default(), &Patch::Merge(&patch))
+        .await?;
+    Ok(())
+}

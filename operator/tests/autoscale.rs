@@ -1,0 +1,184 @@
+//! The autoscaler against a real control plane: kwok gives the pods loopback IPs, one local
+//! server answers `/metrics` for all of them with a load the test sets, and the operator must
+//! scale the Deployment (never the spec), record status and Events, and come back down.
+
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::routing::get;
+use axum::Router;
+use ferrite_crds::LLMService;
+use ferrite_operator::{autoscale, Options};
+use ferrite_testcluster::{eventually, install_crds, Options as ClusterOptions, TestCluster};
+use k8s_openapi::api::apps::v1::Deployment;
+use k8s_openapi::api::core::v1::Event;
+use kube::api::{Api, ListParams, PostParams};
+use serde_json::json;
+
+const WAIT: Duration = Duration::from_secs(120);
+
+fn engine_metrics(waiting: u32) -> String {
+    format!(
+        "# TYPE vllm:num_requests_waiting gauge\nvllm:num_requests_waiting{{model_name=\"m\"}} {waiting}\n\
+         # TYPE vllm:num_requests_running gauge\nvllm:num_requests_running{{model_name=\"m\"}} 4\n\
+         # TYPE vllm:time_to_first_token_seconds histogram\n\
+         vllm:time_to_first_token_seconds_bucket{{model_name=\"m\",le=\"0.1\"}} 0\n\
+         vllm:time_to_first_token_seconds_bucket{{model_name=\"m\",le=\"+Inf\"}} 0\n\
+         vllm:time_to_first_token_seconds_sum{{model_name=\"m\"}} 0\n\
+         vllm:time_to_first_token_seconds_count{{model_name=\"m\"}} 0\n"
+    )
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn autoscaler_scales_the_deployment_not_the_spec() {
+    // Pods get 127.1.0.x addresses, all answered by one server on 0.0.0.0:<port>.
+    let cluster = tokio::task::spawn_blocking(|| {
+        TestCluster::start_with(ClusterOptions {
+            pod_cidr: "127.1.0.0/24".into(),
+            ..ClusterOptions::default()
+        })
+    })
+    .await
+    .expect("join")
+    .expect("cluster");
+    let waiting = Arc::new(AtomicU32::new(6));
+    let w = waiting.clone();
+    let app = Router::new().route(
+        "/metrics",
+        get(move || {
+            let w = w.clone();
+            async move { engine_metrics(w.load(Ordering::Relaxed)) }
+        }),
+    );
+    let listener = tokio::net::TcpListener::bind("0.0.0.0:0")
+        .await
+        .expect("bind");
+    let port = listener.local_addr().expect("addr").port();
+    tokio::spawn(async move { axum::serve(listener, app).await });
+
+    let client = cluster.client().await.expect("client");
+    let crd = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../crds/llmservice.yaml");
+    install_crds(&client, &crd).await.expect("CRD");
+    let ns = cluster
+        .namespace(&client, "autoscale")
+        .await
+        .expect("namespace");
+    let (stop, rx) = tokio::sync::oneshot::channel::<()>();
+    let opts = Options {
+        namespace: Some(ns.clone()),
+        engine_image: "ferrite-engine:test".into(),
+        leader_election: false,
+        autoscale: autoscale::Settings {
+            interval: Duration::from_secs(1),
+            scrape_timeout: Duration::from_secs(1),
+            metrics_port: port,
+        },
+        ..Options::default()
+    };
+    let c = client.clone();
+    let operator = tokio::spawn(async move {
+        ferrite_operator::run(c, opts, async move {
+            let _ = rx.await;
+        })
+        .await
+    });
+
+    let api = Api::<LLMService>::namespaced(client.clone(), &ns);
+    let svc: LLMService = serde_json::from_value(json!({
+        "apiVersion": "serving.ferrite.dev/v1alpha1", "kind": "LLMService",
+        "metadata": {"name": "auto"},
+        "spec": {
+            "model": {"source": "file:///models/m.gguf"},
+            "autoscaling": {"minReplicas": 1, "maxReplicas": 4, "targetQueueDepth": 2,
+                            "scaleDownStabilizationSeconds": 3},
+        },
+    }))
+    .expect("LLMService");
+    let created = api
+        .create(&PostParams::default(), &svc)
+        .await
+        .expect("create");
+    let deployments = Api::<Deployment>::namespaced(client.clone(), &ns);
+
+    // 6 waiting per replica against a target of 2: 1 -> 2 -> 4 (x2 per interval), capped at 4.
+    let up = eventually(
+        "the autoscaler to scale the Deployment to 4",
+        WAIT,
+        || async {
+            let d = deployments
+                .get_opt("auto")
+                .await
+                .map_err(|e| e.to_string())?;
+            let r = d.and_then(|d| d.spec).and_then(|s| s.replicas);
+            let s = api.get("auto").await.map_err(|e| e.to_string())?;
+            Ok((r == Some(4)).then_some(s))
+        },
+    )
+    .await
+    .unwrap_or_else(|e| panic!("{e}\n{}", cluster.log_tail("kwok", 2000)));
+    let st = up.status.clone().expect("status");
+    assert_eq!(st.desired_replicas, Some(4));
+    let auto = st.autoscaling.clone().expect("autoscaling status");
+    let reason = auto.last_scale_reason.clone().expect("reason");
+    assert!(
+        reason.starts_with("scaled 2 -> 4: queue 6 per replica > target 2"),
+        "{reason}"
+    );
+    assert!(auto.last_scale_time.is_some());
+    assert_eq!(up.spec, created.spec, "the autoscaler must not write spec");
+    assert_eq!(up.metadata.generation, created.metadata.generation);
+    let limited = eventually(
+        "ScalingLimited once 4 replicas still see the queue",
+        WAIT,
+        || async {
+            let s = api.get("auto").await.map_err(|e| e.to_string())?;
+            let c = s
+                .status
+                .unwrap_or_default()
+                .conditions
+                .into_iter()
+                .find(|c| c.type_ == "ScalingLimited" && c.status == "True");
+            Ok(c)
+        },
+    )
+    .await
+    .unwrap_or_else(|e| panic!("{e}"));
+    assert!(
+        limited.message.contains("limited to maxReplicas 4"),
+        "{}",
+        limited.message
+    );
+    let events = Api::<Event>::namespaced(client.clone(), &ns)
+        .list(&ListParams::default())
+        .await
+        .expect("events");
+    let notes: Vec<String> = events
+        .items
+        .iter()
+        .filter(|e| e.reason.as_deref() == Some("Autoscaled"))
+        .filter_map(|e| e.message.clone())
+        .collect();
+    assert!(
+        notes.iter().any(|n| n.starts_with("scaled 1 -> 2")),
+        "{notes:?}"
+    );
+
+    // The load goes away: back to minReplicas once the stabilization window has passed.
+    waiting.store(0, Ordering::Relaxed);
+    eventually("the autoscaler to scale back to 1", WAIT, || async {
+        let d = deployments.get("auto").await.map_err(|e| e.to_string())?;
+        Ok((d.spec.and_then(|s| s.replicas) == Some(1)).then_some(()))
+    })
+    .await
+    .unwrap_or_else(|e| panic!("{e}"));
+    let s = api.get("auto").await.expect("get");
+    assert_eq!(s.spec, created.spec);
+    assert!(s
+        .status
+        .and_then(|s| s.autoscaling)
+        .and_then(|a| a.last_scale_reason)
+        .is_some_and(|r| r.contains("-> 1")));
+    let _ = stop.send(());
+    let _ = operator.await;
+}

@@ -297,7 +297,7 @@ impl TestCluster {
             "kube-apiserver",
             Duration::from_secs(120),
             "/readyz to answer ok",
-            |c| Box::pin(async move { readyz(&c).await }),
+            |c| async move { readyz(&c).await },
         )?;
 
         if self.options.controller_manager {
@@ -339,79 +339,63 @@ impl TestCluster {
                 format!("--server-address=127.0.0.1:{kwok_port}"),
             ]);
             self.spawn("kwok", &binary(bins, "kwok")?, k_args)?;
-            let nodes = self.options.nodes;
-            let cidr = self.options.pod_cidr.clone();
+            let (nodes, cidr) = (self.options.nodes, self.options.pod_cidr.as_str());
             self.wait(
                 "kwok",
                 Duration::from_secs(60),
                 "fake nodes to become Ready",
-                move |c| {
-                    let cidr = cidr.clone();
-                    Box::pin(async move { fake_nodes_ready(&c, nodes, &cidr).await })
-                },
+                |c| async move { fake_nodes_ready(&c, nodes, cidr).await },
             )?;
         }
         Ok(())
     }
 
-    /// Polls `check` with a fresh client until it returns `Ok(true)`, failing early when a
-    /// process has exited.
-    fn wait<F>(&self, name: &str, timeout: Duration, what: &str, check: F) -> Result<(), Error>
+    /// Polls `check` until it returns `Ok(true)`, failing early when a process has exited.
+    /// Blocking; the polling runs on its own thread with one runtime and one client, so this is
+    /// safe to call from async code.
+    fn wait<F, Fut>(&self, name: &str, timeout: Duration, what: &str, check: F) -> Result<(), Error>
     where
-        F: Fn(
-                Client,
-            )
-                -> std::pin::Pin<Box<dyn std::future::Future<Output = Result<bool, Error>> + Send>>
-            + Send
-            + Sync
-            + 'static,
+        F: Fn(Client) -> Fut + Sync,
+        Fut: std::future::Future<Output = Result<bool, Error>>,
     {
-        let kubeconfig = self.kubeconfig.clone();
-        let deadline = Instant::now() + timeout;
-        loop {
-            if let Some(dead) = self.processes.iter().find(|p| !p.is_running()) {
-                return Err(Error::NotReady {
-                    name: dead.name().to_string(),
-                    reason: format!("it exited while waiting for {what}"),
-                    log: dead.log_tail(4000),
-                });
+        // Built on the polling thread, so neither `check` nor its futures need to be `Send`.
+        let poll = || async {
+            let client = client_from(&self.kubeconfig).await?;
+            let deadline = Instant::now() + timeout;
+            loop {
+                if let Some(dead) = self.processes.iter().find(|p| !p.is_running()) {
+                    return Err(Error::NotReady {
+                        name: dead.name().to_string(),
+                        reason: format!("it exited while waiting for {what}"),
+                        log: dead.log_tail(4000),
+                    });
+                }
+                let last = match check(client.clone()).await {
+                    Ok(true) => return Ok(()),
+                    Ok(false) => "not yet".to_string(),
+                    Err(e) => e.to_string(),
+                };
+                if Instant::now() > deadline {
+                    return Err(Error::NotReady {
+                        name: name.to_string(),
+                        reason: format!("timed out after {timeout:?} waiting for {what}: {last}"),
+                        log: self.log_tail(name, 4000),
+                    });
+                }
+                tokio::time::sleep(Duration::from_millis(200)).await;
             }
-            let kc = kubeconfig.clone();
-            let check_ref = &check;
-            let result = std::thread::scope(|s| {
-                s.spawn(|| -> Result<bool, Error> {
-                    let rt = tokio::runtime::Builder::new_current_thread()
-                        .enable_all()
-                        .build()
-                        .map_err(|e| Error::io(Path::new("tokio runtime"), e))?;
-                    rt.block_on(async move {
-                        let client = client_from(&kc).await?;
-                        check_ref(client).await
-                    })
-                })
-                .join()
-                .unwrap_or_else(|_| Err(Error::Binaries("readiness check panicked".into())))
-            });
-            let last = match result {
-                Ok(true) => return Ok(()),
-                Ok(false) => "not yet".to_string(),
-                Err(e) => e.to_string(),
-            };
-            if Instant::now() > deadline {
-                let log = self
-                    .processes
-                    .iter()
-                    .find(|p| p.name() == name)
-                    .map(|p| p.log_tail(4000))
-                    .unwrap_or_default();
-                return Err(Error::NotReady {
-                    name: name.to_string(),
-                    reason: format!("timed out after {timeout:?} waiting for {what}: {last}"),
-                    log,
-                });
-            }
-            std::thread::sleep(Duration::from_millis(200));
-        }
+        };
+        std::thread::scope(|s| {
+            s.spawn(|| {
+                tokio::runtime::Builder::new_current_thread()
+                    .enable_all()
+                    .build()
+                    .map_err(|e| Error::io(Path::new("tokio runtime"), e))?
+                    .block_on(poll())
+            })
+            .join()
+            .unwrap_or_else(|_| Err(Error::Binaries("readiness check panicked".into())))
+        })
     }
 
     /// One cluster shared by all tests of a test binary, started on first use. Each test should

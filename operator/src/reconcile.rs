@@ -132,21 +132,19 @@ async fn record_error(svc: &LLMService, ctx: &Context, e: &Error) {
         return;
     };
     let api = Api::<LLMService>::namespaced(ctx.client.clone(), &ns);
-    let mut status = svc.status.clone().unwrap_or_default();
-    let now = k8s_openapi::apimachinery::pkg::apis::meta::v1::Time(Timestamp::now());
-    status.conditions.retain(|c| c.type_ != "Ready");
-    status.conditions.insert(
-        0,
-        k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition {
-            type_: "Ready".into(),
-            status: "False".into(),
-            reason: "ReconcileError".into(),
-            message: format!("the operator could not apply this LLMService (retrying): {e}"),
-            observed_generation: svc.metadata.generation,
-            last_transition_time: now,
-        },
+    let mut new_status = svc.status.clone().unwrap_or_default();
+    let ready = status::condition(
+        &new_status.conditions,
+        "Ready",
+        false,
+        "ReconcileError",
+        format!("the operator could not apply this LLMService (retrying): {e}"),
+        svc.metadata.generation,
+        Timestamp::now(),
     );
-    let _ = write_status(&api, &name, &status).await;
+    new_status.conditions.retain(|c| c.type_ != "Ready");
+    new_status.conditions.insert(0, ready);
+    let _ = write_status(&api, &name, &new_status).await;
 }
 
 /// The retry policy: exponential backoff from 2 s up to 5 minutes per object.

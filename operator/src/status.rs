@@ -81,8 +81,9 @@ pub fn startup_failure(pods: &[Pod]) -> Option<StartupFailure> {
     })
 }
 
-/// A condition of `type_` with the transition time kept when its status did not change.
-fn condition(
+/// A condition of `type_` with the transition time kept from `previous` when its status did
+/// not change.
+pub fn condition(
     previous: &[Condition],
     type_: &str,
     ok: bool,

@@ -12,7 +12,6 @@ use std::time::Duration;
 use ferrite_crds::LLMService;
 use futures::future::join_all;
 use k8s_openapi::api::core::v1::Pod;
-use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
 use k8s_openapi::jiff::Timestamp;
 use kube::api::{Api, ListParams, Patch, PatchParams};
 use kube::runtime::events::{Event, EventType, Recorder};
@@ -21,6 +20,7 @@ use prometheus::{GaugeVec, IntCounterVec, Opts, Registry};
 use serde_json::json;
 
 use crate::render::LLMSERVICE_LABEL;
+use crate::status;
 use policy::{decide, Inputs, PodLoad, Recommendation, Targets};
 use window::{EngineSample, PodWindow};
 
@@ -274,8 +274,8 @@ async fn step(
         }
     }
 
-    let mut status = svc.status.clone().unwrap_or_default();
-    let mut auto = status.autoscaling.clone().unwrap_or_default();
+    let mut new_status = svc.status.clone().unwrap_or_default();
+    let mut auto = new_status.autoscaling.clone().unwrap_or_default();
     auto.ttft_seconds = ttft;
     auto.queue_depth_per_replica = d.queue_per_replica;
     let changed = d.desired != current;
@@ -294,41 +294,34 @@ async fn step(
             tracing::warn!(error = %e, "could not publish an Event");
         }
     }
-    status.desired_replicas = Some(d.desired);
-    status.autoscaling = Some(auto);
-    let prev_limited = status
-        .conditions
-        .iter()
-        .find(|c| c.type_ == "ScalingLimited")
-        .cloned();
-    status.conditions.retain(|c| c.type_ != "ScalingLimited");
-    let limited = d.limited.is_some();
-    let since = prev_limited
-        .filter(|c| (c.status == "True") == limited)
-        .map(|c| c.last_transition_time)
-        .unwrap_or(Time(Timestamp::now()));
-    status.conditions.push(Condition {
-        type_: "ScalingLimited".into(),
-        status: if limited { "True" } else { "False" }.into(),
-        reason: if limited {
+    new_status.desired_replicas = Some(d.desired);
+    new_status.autoscaling = Some(auto);
+    let limited = status::condition(
+        &new_status.conditions,
+        "ScalingLimited",
+        d.limited.is_some(),
+        if d.limited.is_some() {
             "BoundsReached"
         } else {
             "WithinBounds"
-        }
-        .into(),
-        message: d.limited.clone().unwrap_or_else(|| {
+        },
+        d.limited.clone().unwrap_or_else(|| {
             format!(
                 "{} replicas are within [{}, {}]",
                 d.desired, targets.min, targets.max
             )
         }),
-        observed_generation: svc.metadata.generation,
-        last_transition_time: since,
-    });
+        svc.metadata.generation,
+        Timestamp::now(),
+    );
+    new_status
+        .conditions
+        .retain(|c| c.type_ != "ScalingLimited");
+    new_status.conditions.push(limited);
     let patch = json!({"status": {
-        "desiredReplicas": status.desired_replicas,
-        "autoscaling": status.autoscaling,
-        "conditions": status.conditions,
+        "desiredReplicas": new_status.desired_replicas,
+        "autoscaling": new_status.autoscaling,
+        "conditions": new_status.conditions,
     }});
     Api::<LLMService>::namespaced(client.clone(), &ns)
         .patch_status(&name, &PatchParams::default(), &Patch::Merge(&patch))

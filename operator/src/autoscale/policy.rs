@@ -172,7 +172,6 @@ pub fn decide(inp: &Inputs) -> Decision {
         return d;
     };
 
-    let ready_i = ready as i32;
     let mut recommendation = current;
     let mut reason;
     if up > 1.0 + TOLERANCE {
@@ -184,7 +183,8 @@ pub fn decide(inp: &Inputs) -> Decision {
             reason.push_str(&format!("; limited to x2 per interval (wanted {raw})"));
         }
     } else if down < 1.0 - TOLERANCE {
-        recommendation = ((ready as f64 * down).ceil() as i32).max(ready_i.min(current).min(1));
+        // Ready pods answered, so one replica stays at least (min bounds it further below).
+        recommendation = ((ready as f64 * down).ceil() as i32).max(1);
         reason = describe();
     } else {
         reason = format!("within 10% of target: {}", describe());

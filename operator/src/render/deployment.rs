@@ -159,11 +159,9 @@ pub fn deployment(
                 dl_env.push(json!({"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {
                     "name": secret, "key": "HF_TOKEN"}}}));
             }
-            dl_env.extend(
-                env.iter()
-                    .filter(|e| e.name == "HF_ENDPOINT")
-                    .map(|e| serde_json::to_value(e).unwrap_or(Value::Null)),
-            );
+            for e in env.iter().filter(|e| e.name == "HF_ENDPOINT") {
+                dl_env.push(serde_json::to_value(e)?);
+            }
             init_containers.push(json!({
                 "name": DOWNLOAD_CONTAINER,
                 "image": image,

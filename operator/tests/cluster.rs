@@ -339,41 +339,18 @@ async fn scaling_keeps_pods_and_a_model_change_rolls_them() {
             .list(&ListParams::default())
             .await
             .map_err(|e| e.to_string())?;
-        let args: Vec<String> = list
+        // The model each live pod downloads: the second argument of its init container.
+        let sources: Vec<Option<String>> = list
             .items
             .iter()
             .filter(|p| p.metadata.deletion_timestamp.is_none())
-            .flat_map(|p| {
-                p.spec.iter().flat_map(|s| {
-                    s.containers
-                        .iter()
-                        .flat_map(|c| c.args.clone().unwrap_or_default())
-                })
+            .map(|p| {
+                let init = p.spec.as_ref()?.init_containers.as_ref()?.first()?;
+                init.args.as_ref()?.get(1).cloned()
             })
             .collect();
-        let downloads: Vec<String> = list
-            .items
-            .iter()
-            .filter(|p| p.metadata.deletion_timestamp.is_none())
-            .flat_map(|p| {
-                p.spec.iter().flat_map(|s| {
-                    s.init_containers
-                        .iter()
-                        .flatten()
-                        .flat_map(|c| c.args.clone().unwrap_or_default())
-                })
-            })
-            .collect();
-        let n = list
-            .items
-            .iter()
-            .filter(|p| p.metadata.deletion_timestamp.is_none())
-            .count();
-        let all_new = downloads
-            .iter()
-            .filter(|a| a.starts_with("hf://"))
-            .all(|a| a.ends_with("@v2"));
-        Ok((n == 3 && all_new && !args.is_empty()).then_some(()))
+        let want = Some("hf://HuggingFaceTB/SmolLM2-135M-Instruct@v2".to_string());
+        Ok((sources.len() == 3 && sources.iter().all(|s| *s == want)).then_some(()))
     })
     .await
     .unwrap_or_else(|e| panic!("{e}"));

@@ -40,13 +40,15 @@ run: model build
 crds:
 	$(CARGO) run --quiet --release -p ferrite-crds --bin crdgen > crds/llmservice.yaml
 
-## test: the whole suite (fetches the model and test tools first)
+## test: the whole suite (fetches the model and test tools first). The API tests run the
+## binaries cargo test built with the optimized test profile (the build line only puts those
+## in target/debug/, over any plain `cargo build` output).
 test: model pyenv k8s
 	FERRITE_PYTHON="$$(scripts/python-env.sh)" FERRITE_K8S_DIR="$$(scripts/build-k8s.sh --print-dir)" \
 	  $(CARGO) test --workspace --all-targets
 	$(CARGO) test --workspace --doc
-	$(CARGO) build --release --bin ferrite-engine
-	FERRITE_BIN=$(CURDIR)/target/release/ferrite-engine "$$(scripts/python-env.sh)" -m pytest -q tests/api
+	$(CARGO) build --profile test -p ferrite-engine --bins
+	FERRITE_BIN=$(CURDIR)/target/debug/ferrite-engine "$$(scripts/python-env.sh)" -m pytest -q tests/api
 
 fmt:
 	$(CARGO) fmt --all

@@ -101,11 +101,81 @@ impl AutoscaleMetrics {
     }
 }
 
-/// Per-LLMService memory between intervals.
+/// One LLMService's memory between intervals: a TTFT window per pod and the recent
+/// recommendations.
 #[derive(Default)]
-struct ServiceState {
+pub struct ServiceState {
     windows: HashMap<String, PodWindow>,
     history: Vec<Recommendation>,
+}
+
+/// What one interval scraped and decided.
+#[derive(Debug, Clone)]
+pub struct Evaluation {
+    /// Each endpoint's sample, in order; `None` where the scrape failed.
+    pub samples: Vec<Option<EngineSample>>,
+    /// TTFT at the target quantile over the window, summed over the endpoints that answered.
+    pub ttft: Option<f64>,
+    /// The decision.
+    pub decision: policy::Decision,
+}
+
+impl ServiceState {
+    /// One interval: scrapes every endpoint concurrently (`(pod name, metrics URL)`; no URL
+    /// means the pod has no IP yet and counts as not scraped), updates the TTFT windows,
+    /// forgets pods that are gone, decides and remembers the recommendation. `now` is seconds
+    /// on any monotonic clock the caller keeps for this state.
+    pub async fn evaluate(
+        &mut self,
+        http: &reqwest::Client,
+        targets: &Targets,
+        current: i32,
+        endpoints: &[(String, Option<String>)],
+        now: f64,
+        timeout: Duration,
+    ) -> Evaluation {
+        let samples = join_all(endpoints.iter().map(|(_, url)| async move {
+            match url {
+                Some(u) => scrape(http, u, timeout).await,
+                None => None,
+            }
+        }))
+        .await;
+        let mut loads = Vec::with_capacity(endpoints.len());
+        let mut in_window = Vec::new();
+        for ((pod, _), sample) in endpoints.iter().zip(&samples) {
+            loads.push(sample.as_ref().map(|s| PodLoad {
+                waiting: s.waiting,
+                running: s.running,
+            }));
+            if let Some(s) = sample {
+                let w = self.windows.entry(pod.clone()).or_default();
+                w.record(now, s.ttft.clone(), targets.window_seconds);
+                if let Some(h) = w.in_window() {
+                    in_window.push(h);
+                }
+            }
+        }
+        self.windows
+            .retain(|k, _| endpoints.iter().any(|(pod, _)| pod == k));
+        let ttft = window::quantile(targets.ttft_quantile, &window::sum(&in_window));
+        let since = now - targets.stabilization_seconds;
+        self.history.retain(|(at, _)| *at >= since);
+        let decision = decide(&Inputs {
+            targets,
+            current,
+            pods: &loads,
+            ttft,
+            history: &self.history,
+            now,
+        });
+        self.history.push((now, decision.recommendation));
+        Evaluation {
+            samples,
+            ttft,
+            decision,
+        }
+    }
 }
 
 /// Scrapes one engine's `/metrics`.
@@ -193,55 +263,33 @@ async fn step(
         .filter(pod_ready)
         .collect();
     let current = crate::reconcile::desired_replicas(svc);
-
-    let scrapes = join_all(pods.iter().map(|p| {
-        let ip = p.status.as_ref().and_then(|s| s.pod_ip.clone());
-        let url = ip.map(|ip| format!("http://{ip}:{}/metrics", settings.metrics_port));
-        async move {
-            match url {
-                Some(u) => scrape(http, &u, settings.scrape_timeout).await,
-                None => None,
-            }
-        }
-    }))
-    .await;
-
-    let mut loads = Vec::new();
-    let mut in_window = Vec::new();
-    for (pod, sample) in pods.iter().zip(&scrapes) {
-        let pod_name = pod.name_any();
-        match sample {
-            Some(s) => {
-                loads.push(Some(PodLoad {
-                    waiting: s.waiting,
-                    running: s.running,
-                }));
-                let w = st.windows.entry(pod_name).or_default();
-                w.record(now, s.ttft.clone(), targets.window_seconds);
-                if let Some(h) = w.in_window() {
-                    in_window.push(h);
-                }
-            }
-            None => {
-                metrics.scrape_errors.with_label_values(&[&ns, &name]).inc();
-                loads.push(None);
-            }
-        }
-    }
-    let names: Vec<String> = pods.iter().map(|p| p.name_any()).collect();
-    st.windows.retain(|k, _| names.contains(k));
-    let ttft = window::quantile(targets.ttft_quantile, &window::sum(&in_window));
-    let since = now - targets.stabilization_seconds;
-    st.history.retain(|(at, _)| *at >= since);
-    let d = decide(&Inputs {
-        targets: &targets,
-        current,
-        pods: &loads,
+    let endpoints: Vec<(String, Option<String>)> = pods
+        .iter()
+        .map(|p| {
+            let ip = p.status.as_ref().and_then(|s| s.pod_ip.clone());
+            let url = ip.map(|ip| format!("http://{ip}:{}/metrics", settings.metrics_port));
+            (p.name_any(), url)
+        })
+        .collect();
+    let Evaluation {
+        samples: scrapes,
         ttft,
-        history: &st.history,
-        now,
-    });
-    st.history.push((now, d.recommendation));
+        decision: d,
+    } = st
+        .evaluate(
+            http,
+            &targets,
+            current,
+            &endpoints,
+            now,
+            settings.scrape_timeout,
+        )
+        .await;
+    let failed = scrapes.iter().filter(|s| s.is_none()).count() as u64;
+    metrics
+        .scrape_errors
+        .with_label_values(&[&ns, &name])
+        .inc_by(failed);
 
     if let Some(v) = ttft {
         metrics.ttft.with_label_values(&[&ns, &name]).set(v);

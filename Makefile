@@ -36,9 +36,11 @@ build:
 run: model build
 	./target/release/ferrite-engine serve --model $(MODEL) --served-model-name smollm2 --port 8000
 
-## crds: regenerate crds/llmservice.yaml from the Rust types (a test fails when it drifts)
+## crds: regenerate crds/llmservice.yaml and the chart's copy from the Rust types (tests fail
+## when either drifts)
 crds:
-	$(CARGO) run --quiet --release -p ferrite-crds --bin crdgen > crds/llmservice.yaml
+	$(CARGO) run --quiet -p ferrite-crds --bin crdgen > crds/llmservice.yaml
+	cp crds/llmservice.yaml charts/ferrite/crds/llmservice.yaml
 
 ## test: the whole suite (fetches the model and test tools first). The API tests run the
 ## binaries cargo test built with the optimized test profile (the build line only puts those
@@ -48,7 +50,7 @@ test: model pyenv k8s
 	  $(CARGO) test --workspace --all-targets
 	$(CARGO) test --workspace --doc
 	$(CARGO) build --profile test -p ferrite-engine --bins
-	FERRITE_BIN=$(CURDIR)/target/debug/ferrite-engine "$$(scripts/python-env.sh)" -m pytest -q tests/api
+	FERRITE_BIN=$(CURDIR)/target/debug/ferrite-engine "$$(scripts/python-env.sh)" -m pytest -q tests/api tests/chart
 
 fmt:
 	$(CARGO) fmt --all

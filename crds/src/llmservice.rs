@@ -19,6 +19,7 @@ use serde::{Deserialize, Serialize};
     kind = "LLMService",
     plural = "llmservices",
     shortname = "llms",
+    doc = "A large language model served by Ferrite: engine pods behind a cluster-internal OpenAI-compatible endpoint, scaled on time-to-first-token and queue depth.",
     namespaced,
     status = "LLMServiceStatus",
     scale = r#"{"specReplicasPath":".spec.replicas","statusReplicasPath":".status.replicas","labelSelectorPath":".status.selector"}"#,

@@ -1,12 +1,17 @@
-//! The committed CRD YAML is what the types generate (`make crds` regenerates it).
+//! The committed CRD YAML — in `crds/` and in the Helm chart's `crds/` — is what the types
+//! generate (`make crds` regenerates both).
 
 #[test]
-fn committed_crd_matches_the_types() {
-    let path = concat!(env!("CARGO_MANIFEST_DIR"), "/llmservice.yaml");
-    let committed = std::fs::read_to_string(path).expect("crds/llmservice.yaml exists");
+fn committed_crds_match_the_types() {
     let generated = ferrite_crds::crd_yaml().expect("renders");
-    assert!(
-        committed == generated,
-        "crds/llmservice.yaml is stale: run `make crds`"
-    );
+    for rel in ["llmservice.yaml", "../charts/ferrite/crds/llmservice.yaml"] {
+        let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join(rel);
+        let committed =
+            std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+        assert!(
+            committed == generated,
+            "{} is stale: run `make crds`",
+            path.display()
+        );
+    }
 }

@@ -2,6 +2,7 @@
 //! PodDisruptionBudgets, keeps their status honest, and elects one leader among its replicas.
 
 pub mod autoscale;
+pub mod cli;
 pub mod error;
 pub mod leader;
 pub mod metrics;

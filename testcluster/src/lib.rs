@@ -16,6 +16,7 @@
 //! # Ok(()) }
 //! ```
 
+pub mod apply;
 pub mod certs;
 pub mod kwok;
 pub mod process;
@@ -31,6 +32,7 @@ use kube::api::{Api, PostParams};
 use kube::config::{KubeConfigOptions, Kubeconfig};
 use kube::Client;
 
+pub use apply::apply;
 use process::Supervised;
 
 /// Everything that can go wrong while starting or using a test cluster.

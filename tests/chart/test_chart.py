@@ -1,0 +1,153 @@
+"""The Helm chart, rendered and linted by the real Helm SDK (helm-python-sdk, Helm v4).
+
+The objects are applied to a real API server, and the operator run with exactly the chart's
+RBAC, by operator/tests/chart.rs; these tests check what Helm itself decides: lint, the
+values schema, and what each value renders to.
+"""
+
+from pathlib import Path
+
+import helm_python as helm
+import pytest
+import yaml
+
+from render import CHART, render
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parents[1]
+
+
+def by_kind(objects: list[dict]) -> dict[str, list[dict]]:
+    out: dict[str, list[dict]] = {}
+    for o in objects:
+        out.setdefault(o["kind"], []).append(o)
+    return out
+
+
+def custom_values() -> dict:
+    return yaml.safe_load((HERE / "values-custom.yaml").read_text())
+
+
+@pytest.mark.parametrize("values", [None, "custom"], ids=["defaults", "custom"])
+def test_lint_is_clean(values):
+    report = helm.lint(str(CHART), custom_values() if values else None, strict=True)
+    assert report["errors"] == []
+    # Severity 2 = warning, 3 = error; the only info-level finding allowed is the icon.
+    assert [m for m in report["messages"] if m["severity"] >= 2] == []
+
+
+def test_crd_is_the_generated_one():
+    """One source of truth: the chart ships exactly what `make crds` writes."""
+    with helm.Chart.load(str(CHART)) as chart:
+        crds = chart.crds
+    assert [c["name"] for c in crds] == ["crds/llmservice.yaml"]
+    assert crds[0]["data"] == (ROOT / "crds" / "llmservice.yaml").read_text()
+
+
+def test_defaults_install_a_hardened_cluster_wide_operator():
+    kinds = by_kind(render(None, "ferrite", "ferrite-system"))
+    assert sorted(kinds) == [
+        "ClusterRole", "ClusterRoleBinding", "Deployment", "Role", "RoleBinding",
+        "Service", "ServiceAccount",
+    ]
+    dep = kinds["Deployment"][0]
+    pod = dep["spec"]["template"]["spec"]
+    assert pod["serviceAccountName"] == "ferrite"
+    assert pod["securityContext"]["runAsNonRoot"] is True
+    (c,) = pod["containers"]
+    assert c["image"] == "ghcr.io/ferrite-serving/ferrite-operator:0.1.0"
+    sc = c["securityContext"]
+    assert sc["readOnlyRootFilesystem"] is True
+    assert sc["allowPrivilegeEscalation"] is False
+    assert sc["capabilities"]["drop"] == ["ALL"]
+    assert c["resources"]["requests"] and c["resources"]["limits"]
+    # Leader election stays on: no --no-leader-election, and the Lease is named after the release.
+    assert "--no-leader-election" not in c["args"]
+    assert "--lease-name=ferrite" in c["args"]
+    assert "--engine-image=ghcr.io/ferrite-serving/ferrite-engine:0.1.0" in c["args"]
+    assert not any(a.startswith("--namespace") for a in c["args"])
+    # The binding gives the ClusterRole to the chart's ServiceAccount.
+    binding = kinds["ClusterRoleBinding"][0]
+    assert binding["subjects"] == [
+        {"kind": "ServiceAccount", "name": "ferrite", "namespace": "ferrite-system"}
+    ]
+    # Least privilege: no wildcard, no secrets, no deletes of what users own.
+    for rule in kinds["ClusterRole"][0]["rules"]:
+        assert "*" not in rule["verbs"] and "*" not in rule["resources"]
+        assert "secrets" not in rule["resources"]
+        if "llmservices" in rule["resources"]:
+            assert set(rule["verbs"]) == {"get", "list", "watch"}
+    svc = kinds["Service"][0]
+    assert svc["spec"]["ports"][0]["port"] == 8080
+
+
+def test_custom_values_render_a_namespaced_operator_with_monitors():
+    kinds = by_kind(render(custom_values(), "ml", "platform"))
+    assert "ClusterRole" not in kinds and "ClusterRoleBinding" not in kinds
+    roles = {r["metadata"]["name"]: r for r in kinds["Role"]}
+    assert roles["ml-ferrite"]["metadata"]["namespace"] == "team-a"
+    assert roles["ml-ferrite-leader-election"]["metadata"]["namespace"] == "platform"
+    binding = next(b for b in kinds["RoleBinding"] if b["metadata"]["name"] == "ml-ferrite")
+    assert binding["metadata"]["namespace"] == "team-a"
+    assert binding["subjects"][0] == {
+        "kind": "ServiceAccount", "name": "ferrite-controller", "namespace": "platform"
+    }
+    dep = kinds["Deployment"][0]
+    assert dep["spec"]["replicas"] == 2
+    pod = dep["spec"]["template"]["spec"]
+    (c,) = pod["containers"]
+    assert c["image"] == "registry.example.com/ferrite/operator:0.1.0-rc1"
+    assert c["imagePullPolicy"] == "Always"
+    assert "--namespace=team-a" in c["args"]
+    assert "--engine-image=registry.example.com/ferrite/engine:0.1.0-cuda" in c["args"]
+    assert "--drain-timeout-seconds=120" in c["args"]
+    assert "--autoscale-interval=10" in c["args"]
+    assert {"name": "RUST_LOG", "value": "ferrite_operator=debug"} in c["env"]
+    assert pod["nodeSelector"] == {"kubernetes.io/os": "linux"}
+    assert pod["tolerations"][0]["key"] == "dedicated"
+    assert pod["priorityClassName"] == "system-cluster-critical"
+    sa = kinds["ServiceAccount"][0]
+    assert sa["metadata"]["name"] == "ferrite-controller"
+    assert "iam.gke.io/gcp-service-account" in sa["metadata"]["annotations"]
+    sm = kinds["ServiceMonitor"][0]
+    assert sm["metadata"]["labels"]["release"] == "prometheus"
+    assert sm["spec"]["endpoints"][0]["port"] == "metrics"
+    pm = kinds["PodMonitor"][0]
+    assert pm["spec"]["namespaceSelector"] == {"matchNames": ["team-a"]}
+    assert pm["spec"]["podMetricsEndpoints"][0] == {
+        "port": "http", "path": "/metrics", "interval": "10s"
+    }
+
+
+@pytest.mark.parametrize(
+    "values, field",
+    [
+        ({"operator": {"replicas": "two"}}, "replicas"),
+        ({"operator": {"metricsPort": "8080"}}, "metricsPort"),
+        ({"operator": {"image": {"pullPolicy": "Sometimes"}}}, "pullPolicy"),
+        ({"watchNamespace": ["a", "b"]}, "watchNamespace"),
+        ({"rbac": {"create": "yes"}}, "create"),
+        ({"metrics": {"podMonitor": {"enabled": 1}}}, "enabled"),
+        ({"autoscaler": {"intervalSeconds": 0}}, "intervalSeconds"),
+        ({"replicas": 3}, "replicas"),
+    ],
+)
+def test_schema_rejects_wrong_values(values, field):
+    with helm.Chart.load(str(CHART)) as chart:
+        with pytest.raises(helm.HelmError) as err:
+            chart.validate_schema(values)
+        # Rendering refuses them too, so `helm install` would.
+        with pytest.raises(helm.HelmError):
+            chart.render(values, name="ferrite", namespace="ferrite-system")
+    assert field in str(err.value)
+
+
+def test_notes_tell_how_to_reach_the_first_model():
+    with helm.Chart.load(str(CHART)) as chart:
+        notes = chart.render(None, name="ferrite", namespace="ferrite-system")[
+            "ferrite/templates/NOTES.txt"
+        ]
+    assert "kubectl apply" in notes and "examples/smollm2-cpu.yaml" in notes
+    assert "kubectl get llms" in notes
+    assert "/v1/chat/completions" in notes
+    assert (ROOT / "examples" / "smollm2-cpu.yaml").exists()

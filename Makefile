@@ -6,7 +6,7 @@ CARGO ?= cargo
 MODEL := models/SmolLM2-135M-Instruct.Q4_1.gguf
 export FERRITE_TEST_MODEL := $(CURDIR)/$(MODEL)
 
-.PHONY: all model pyenv k8s cluster build run crds test fmt fmt-check lint bench clean
+.PHONY: all model pyenv k8s cluster build run crds test fmt fmt-check lint bench bench-peer clean
 
 all: build
 
@@ -49,7 +49,7 @@ test: model pyenv k8s
 	FERRITE_PYTHON="$$(scripts/python-env.sh)" FERRITE_K8S_DIR="$$(scripts/build-k8s.sh --print-dir)" \
 	  $(CARGO) test --workspace --all-targets
 	$(CARGO) test --workspace --doc
-	$(CARGO) build --profile test -p ferrite-engine --bins
+	$(CARGO) build --profile test -p ferrite-engine -p ferrite-bench --bins
 	FERRITE_BIN=$(CURDIR)/target/debug/ferrite-engine "$$(scripts/python-env.sh)" -m pytest -q tests/api tests/chart
 
 fmt:
@@ -62,9 +62,19 @@ fmt-check:
 lint: fmt-check
 	$(CARGO) clippy --workspace --all-targets -- -D warnings
 
-## bench: prompt processing, single-stream decode, memory-bandwidth bound
+## bench: in-process figures (prompt processing, decode vs the memory-bandwidth bound, batching,
+## KV waste), then Ferrite over HTTP with ferrite-bench at concurrency 1/4/16/64, Poisson
+## rates, mixed lengths and --max-num-seqs 1; tables and plots in bench/results/
 bench: model
-	$(CARGO) run --release --bin ferrite-engine -- bench --model $(MODEL)
+	$(CARGO) build --release -p ferrite-engine -p ferrite-bench
+	./target/release/ferrite-engine bench --model $(MODEL)
+	scripts/bench.sh
+
+## bench-peer: the same workloads against llama.cpp's llama-server and naive Transformers
+## generate (both built or installed once into ~/.cache/ferrite), with Ferrite / peer ratios
+bench-peer: model
+	$(CARGO) build --release -p ferrite-bench
+	scripts/bench-peer.sh
 
 clean:
 	$(CARGO) clean

@@ -123,8 +123,7 @@ pub fn run(args: &BenchArgs) -> Result<()> {
     println!("| decode bound (bandwidth / weights) | {bound:.1} tok/s |");
     println!("| decode / bound | {:.0} % |", 100.0 * decode_best / bound);
     if !args.concurrency.is_empty() {
-        let in_process = batching(args, prompt.clone())?;
-        http(args, &prompt, &in_process)?;
+        batching(args, prompt)?;
     }
     Ok(())
 }
@@ -192,7 +191,7 @@ fn run_load(
     })
 }
 
-/// The engine configuration of the batching and HTTP tables.
+/// The engine configuration of the batching table.
 fn load_config(len: usize) -> EngineConfig {
     // Every request sends the same prompt: prefix caching off, so each one is computed.
     EngineConfig {
@@ -202,7 +201,7 @@ fn load_config(len: usize) -> EngineConfig {
     }
 }
 
-fn batching(args: &BenchArgs, mut prompt: Vec<u32>) -> Result<Vec<(usize, f64)>> {
+fn batching(args: &BenchArgs, mut prompt: Vec<u32>) -> Result<()> {
     let len = args.request_tokens;
     prompt.truncate(len);
     if prompt.len() < len {
@@ -211,10 +210,7 @@ fn batching(args: &BenchArgs, mut prompt: Vec<u32>) -> Result<Vec<(usize, f64)>>
         )));
     }
     let path = &args.model.model;
-    let base = EngineConfig {
-        max_model_len: Some(4 * len),
-        ..EngineConfig::default()
-    };
+    let base = load_config(len);
     let naive = run_load(
         path,
         EngineConfig {
@@ -231,10 +227,8 @@ fn batching(args: &BenchArgs, mut prompt: Vec<u32>) -> Result<Vec<(usize, f64)>>
     println!("| concurrent requests | output tok/s | × single | TTFT p50 | TTFT p90 | KV waste at peak |");
     println!("|---|---|---|---|---|---|");
     let mut single = None;
-    let mut rates = Vec::new();
     for &c in &args.concurrency {
         let r = run_load(path, base.clone(), &prompt, c.max(1), len)?;
-        rates.push((c, r.tokens_per_s));
         let one = *single.get_or_insert(r.tokens_per_s);
         println!(
             "| {c} | {:.1} | {:.2}× | {:.2} s | {:.2} s | {:.1} % |",
@@ -254,142 +248,13 @@ fn batching(args: &BenchArgs, mut prompt: Vec<u32>) -> Result<Vec<(usize, f64)>>
         naive.ttft_p90,
         100.0 * naive.waste
     );
-    Ok(rates)
+    Ok(())
 }
 
-/// One streamed request's timings.
-#[derive(Debug, Default)]
-struct Sample {
-    ttft: f64,
-    gaps: Vec<f64>,
-    e2e: f64,
-    tokens: usize,
-}
-
-async fn stream_one(
-    client: &reqwest::Client,
-    url: &str,
-    prompt: &[u32],
-    len: usize,
-) -> Result<Sample> {
-    use futures::StreamExt;
-    let fail = |e: &dyn std::fmt::Display| Error::Server(format!("benchmark request: {e}"));
-    let body = serde_json::json!({
-        "model": "bench", "prompt": prompt, "max_tokens": len, "temperature": 0,
-        "ignore_eos": true, "stream": true, "stream_options": {"include_usage": true},
-    });
-    let start = Instant::now();
-    let resp = client
-        .post(url)
-        .json(&body)
-        .send()
-        .await
-        .map_err(|e| fail(&e))?;
-    if !resp.status().is_success() {
-        return Err(fail(&resp.status()));
-    }
-    let mut bytes = resp.bytes_stream();
-    let (mut buf, mut sample, mut last) = (String::new(), Sample::default(), None::<Instant>);
-    while let Some(chunk) = bytes.next().await {
-        buf.push_str(&String::from_utf8_lossy(&chunk.map_err(|e| fail(&e))?));
-        while let Some(end) = buf.find("\n\n") {
-            let event: String = buf.drain(..end + 2).collect();
-            let Some(data) = event.trim().strip_prefix("data: ") else {
-                continue;
-            };
-            if data == "[DONE]" {
-                sample.e2e = start.elapsed().as_secs_f64();
-                return Ok(sample);
-            }
-            let v: serde_json::Value = serde_json::from_str(data).map_err(|e| fail(&e))?;
-            if let Some(n) = v["usage"]["completion_tokens"].as_u64() {
-                sample.tokens = n as usize;
-                continue;
-            }
-            let now = Instant::now();
-            match last {
-                None => sample.ttft = (now - start).as_secs_f64(),
-                Some(t) => sample.gaps.push((now - t).as_secs_f64()),
-            }
-            last = Some(now);
-        }
-    }
-    Err(fail(&"the stream ended without [DONE]"))
-}
-
+/// The nearest-rank `p`-quantile of sorted values (0 when empty).
 fn percentile(sorted: &[f64], p: f64) -> f64 {
     sorted
         .get(((sorted.len() as f64 * p).ceil() as usize).saturating_sub(1))
         .copied()
         .unwrap_or(0.0)
-}
-
-/// The same workload over HTTP with streaming, against a server on loopback.
-fn http(args: &BenchArgs, prompt: &[u32], in_process: &[(usize, f64)]) -> Result<()> {
-    use crate::server::{run as run_server, AppState, ServerConfig};
-    let len = args.request_tokens;
-    let prompt = &prompt[..len];
-    let runtime = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .map_err(|e| Error::Server(e.to_string()))?;
-    runtime.block_on(async {
-        let config = ServerConfig {
-            served_model_name: "bench".into(),
-            max_waiting_requests: 1 << 16,
-            shutdown_timeout: std::time::Duration::from_secs(5),
-        };
-        let state = AppState::new(config).map_err(|e| Error::Server(e.to_string()))?;
-        let loaded = crate::model::load(&args.model.model, &Device::Cpu)?;
-        let tokenizer = loaded.tokenizer.clone();
-        state.set_ready(EngineHandle::start(loaded, load_config(len))?, tokenizer);
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.map_err(|e| Error::Server(e.to_string()))?;
-        let url = format!("http://{}/v1/completions", listener.local_addr().map_err(|e| Error::Server(e.to_string()))?);
-        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-        let server = tokio::spawn(run_server(listener, state, async {
-            let _ = stopped.await;
-        }));
-        let client = reqwest::Client::new();
-        println!();
-        println!("Over HTTP (OpenAI /v1/completions, streaming), same requests:");
-        println!();
-        println!("| concurrent | req/s | output tok/s | TTFT p50 | TTFT p90 | TTFT p99 | ITL p50 | ITL p90 | e2e p50 | e2e p90 | HTTP / in-process |");
-        println!("|---|---|---|---|---|---|---|---|---|---|---|");
-        for &c in &args.concurrency {
-            let c = c.max(1);
-            let start = Instant::now();
-            let samples = futures::future::join_all((0..c).map(|_| stream_one(&client, &url, prompt, len))).await;
-            let elapsed = start.elapsed().as_secs_f64();
-            let samples = samples.into_iter().collect::<Result<Vec<_>>>()?;
-            let tokens: usize = samples.iter().map(|s| s.tokens).sum();
-            let sorted = |f: &dyn Fn(&Sample) -> Vec<f64>| {
-                let mut v: Vec<f64> = samples.iter().flat_map(f).collect();
-                v.sort_by(f64::total_cmp);
-                v
-            };
-            let ttft = sorted(&|s| vec![s.ttft]);
-            let itl = sorted(&|s| s.gaps.clone());
-            let e2e = sorted(&|s| vec![s.e2e]);
-            let rate = tokens as f64 / elapsed;
-            let ratio = in_process
-                .iter()
-                .find(|(n, _)| *n == c)
-                .map(|(_, r)| format!("{:.0} %", 100.0 * rate / r))
-                .unwrap_or_else(|| "–".into());
-            println!(
-                "| {c} | {:.2} | {rate:.1} | {:.2} s | {:.2} s | {:.2} s | {:.0} ms | {:.0} ms | {:.2} s | {:.2} s | {ratio} |",
-                c as f64 / elapsed,
-                percentile(&ttft, 0.5),
-                percentile(&ttft, 0.9),
-                percentile(&ttft, 0.99),
-                1000.0 * percentile(&itl, 0.5),
-                1000.0 * percentile(&itl, 0.9),
-                percentile(&e2e, 0.5),
-                percentile(&e2e, 0.9),
-            );
-        }
-        let _ = stop.send(());
-        server.await.map_err(|e| Error::Server(e.to_string()))?.map_err(|e| Error::Server(e.to_string()))
-    })
 }

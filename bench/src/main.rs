@@ -1,0 +1,210 @@
+//! `ferrite-bench`: parses flags, runs load levels against an OpenAI-compatible server, and
+//! writes results, tables and plots.
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use clap::{Parser, Subcommand};
+use ferrite_bench::client::tokenize;
+use ferrite_bench::report::{ratios, table, Results, Run};
+use ferrite_bench::run::{run_level, Load, Target};
+use ferrite_bench::workload::{requests, Shape, TEXT};
+use ferrite_bench::{plot, Error, Result};
+use indicatif::{ProgressBar, ProgressStyle};
+
+/// Load generator for OpenAI-compatible `/v1/completions` endpoints.
+#[derive(Debug, Parser)]
+#[command(name = "ferrite-bench", version, about)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Measure one server at each concurrency and/or request rate; add the runs to a results file.
+    Run(RunArgs),
+    /// Print the tables (and ratios against a peer) from a results file; draw plots.
+    Report(ReportArgs),
+}
+
+#[derive(Debug, clap::Args)]
+struct RunArgs {
+    /// Base URL of the server (its /v1/completions and /tokenize are used).
+    #[arg(long, default_value = "http://127.0.0.1:8000")]
+    url: String,
+    /// The `model` field of requests.
+    #[arg(long, default_value = "smollm2")]
+    model: String,
+    /// Name of this server in tables and plots.
+    #[arg(long, default_value = "ferrite")]
+    label: String,
+    /// Closed-loop levels: requests kept in flight (comma-separated).
+    #[arg(long, value_delimiter = ',', value_parser = clap::value_parser!(u32).range(1..))]
+    concurrency: Vec<u32>,
+    /// Open-loop levels: Poisson arrivals per second (comma-separated).
+    #[arg(long, value_delimiter = ',')]
+    request_rate: Vec<f64>,
+    /// Requests per level (default: 2 × concurrency, at least 8; 32 per rate level).
+    #[arg(long)]
+    requests: Option<usize>,
+    /// `fixed:<prompt tokens>:<output tokens>` or `mixed` (chat-like lengths).
+    #[arg(long, default_value = "fixed:128:128")]
+    workload: Shape,
+    /// Seed of prompt offsets, mixed lengths and arrival times.
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+    /// Results file the runs are added to.
+    #[arg(long, default_value = "bench/results/results.json")]
+    results: PathBuf,
+    /// Per-request timeout in seconds.
+    #[arg(long, default_value_t = 600)]
+    timeout: u64,
+    /// No progress bar (for logs).
+    #[arg(long)]
+    no_progress: bool,
+}
+
+#[derive(Debug, clap::Args)]
+struct ReportArgs {
+    /// Results file to read.
+    #[arg(long, default_value = "bench/results/results.json")]
+    results: PathBuf,
+    /// The server the ratio tables are about.
+    #[arg(long, default_value = "ferrite")]
+    ours: String,
+    /// Write the report here as well as printing it.
+    #[arg(long)]
+    markdown: Option<PathBuf>,
+    /// Draw SVG plots into this folder.
+    #[arg(long)]
+    plot: Option<PathBuf>,
+}
+
+async fn run(args: RunArgs) -> Result<()> {
+    if args.concurrency.is_empty() && args.request_rate.is_empty() {
+        return Err(Error::Invalid(
+            "nothing to run: give --concurrency (e.g. 1,4,16) and/or --request-rate (e.g. 0.5,1)"
+                .into(),
+        ));
+    }
+    if let Some(r) = args
+        .request_rate
+        .iter()
+        .find(|r| !(**r > 0.0 && r.is_finite()))
+    {
+        return Err(Error::Invalid(format!(
+            "--request-rate {r}: rates must be positive requests per second"
+        )));
+    }
+    let http = reqwest::Client::builder()
+        .timeout(Duration::from_secs(args.timeout))
+        .build()
+        .map_err(|e| Error::Http(e.to_string()))?;
+    let base = args.url.trim_end_matches('/').to_string();
+    let corpus = tokenize(&http, &base, &args.model, TEXT).await?;
+    let target = Target {
+        base,
+        model: args.model.clone(),
+    };
+    // One short request first, so a cold server's first-request costs are not measured.
+    let warm = requests(args.workload, &corpus, 1, args.seed ^ 1);
+    let _ = ferrite_bench::client::complete(&http, &target.base, &target.model, &warm[0]).await;
+
+    let mut levels: Vec<Load> = args
+        .concurrency
+        .iter()
+        .map(|&c| Load::Concurrency(c as usize))
+        .collect();
+    levels.extend(args.request_rate.iter().map(|&r| Load::Rate(r)));
+    let mut results = Results::load(&args.results)?;
+    let mut measured = Vec::new();
+    for load in levels {
+        let n = args.requests.unwrap_or(match load {
+            Load::Concurrency(c) => (2 * c).max(8),
+            Load::Rate(_) => 32,
+        });
+        let specs = requests(args.workload, &corpus, n, args.seed);
+        let bar = if args.no_progress {
+            ProgressBar::hidden()
+        } else {
+            ProgressBar::new(n as u64)
+        };
+        bar.set_style(
+            ProgressStyle::with_template("{prefix:>28} [{bar:30}] {pos}/{len} requests {elapsed}")
+                .map_err(|e| Error::Invalid(e.to_string()))?
+                .progress_chars("=> "),
+        );
+        bar.set_prefix(format!("{} {}", args.label, load));
+        let (summary, first_error) = run_level(&http, &target, load, specs, args.seed, &bar).await;
+        bar.finish_and_clear();
+        if let Some(e) = first_error {
+            eprintln!(
+                "{} {load}: {} request(s) failed; first: {e}",
+                args.label, summary.errors
+            );
+        }
+        let run = Run {
+            label: args.label.clone(),
+            workload: args.workload.to_string(),
+            load,
+            summary,
+        };
+        eprintln!(
+            "{} {load}: {:.1} output tok/s, TTFT p90 {:.2} s",
+            args.label, run.summary.output_tokens_per_s, run.summary.ttft_s[1]
+        );
+        results.upsert(run.clone());
+        results.save(&args.results)?;
+        measured.push(run);
+    }
+    println!("{}", table(&measured.iter().collect::<Vec<_>>()));
+    Ok(())
+}
+
+fn report(args: ReportArgs) -> Result<()> {
+    let results = Results::load(&args.results)?;
+    if results.runs.is_empty() {
+        return Err(Error::Invalid(format!(
+            "{} holds no runs: run `ferrite-bench run` first",
+            args.results.display()
+        )));
+    }
+    let m = &results.machine;
+    let mut out = format!(
+        "Machine: {} ({} logical cores, {} GiB).\n\n",
+        m.cpu, m.cores, m.memory_gib
+    );
+    out.push_str(&table(&results.runs.iter().collect::<Vec<_>>()));
+    for peer in results.labels().into_iter().filter(|l| *l != args.ours) {
+        if let Some(t) = ratios(&results, &args.ours, &peer) {
+            out.push_str(&format!("\n{} against {peer}:\n\n{t}", args.ours));
+        }
+    }
+    print!("{out}");
+    if let Some(path) = &args.markdown {
+        std::fs::write(path, &out).map_err(|e| Error::Io {
+            path: path.display().to_string(),
+            source: e,
+        })?;
+    }
+    if let Some(dir) = &args.plot {
+        for f in plot::plot(&results, dir)? {
+            eprintln!("wrote {}", f.display());
+        }
+    }
+    Ok(())
+}
+
+#[tokio::main]
+async fn main() {
+    let cli = Cli::parse();
+    let r = match cli.command {
+        Command::Run(a) => run(a).await,
+        Command::Report(a) => report(a),
+    };
+    if let Err(e) = r {
+        eprintln!("error: {e}");
+        std::process::exit(1);
+    }
+}

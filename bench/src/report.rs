@@ -1,0 +1,260 @@
+//! The results file (JSON: the machine and every run) and what is made from it: markdown
+//! tables per server and ratio tables of one server against a peer.
+
+use std::path::Path;
+
+use serde::{Deserialize, Serialize};
+
+use crate::run::Load;
+use crate::stats::Summary;
+use crate::{Error, Result};
+
+/// The machine the runs were measured on.
+#[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
+pub struct Machine {
+    /// CPU model name.
+    pub cpu: String,
+    /// Logical cores.
+    pub cores: usize,
+    /// Memory, GiB.
+    pub memory_gib: f64,
+}
+
+impl Machine {
+    /// This machine, from `/proc/cpuinfo` and `/proc/meminfo` (empty fields elsewhere).
+    pub fn this() -> Self {
+        let cpuinfo = std::fs::read_to_string("/proc/cpuinfo").unwrap_or_default();
+        let cpu = cpuinfo
+            .lines()
+            .find(|l| l.starts_with("model name"))
+            .and_then(|l| l.split(':').nth(1))
+            .map(|s| s.trim().to_string())
+            .unwrap_or_default();
+        let meminfo = std::fs::read_to_string("/proc/meminfo").unwrap_or_default();
+        let kib: f64 = meminfo
+            .lines()
+            .find(|l| l.starts_with("MemTotal:"))
+            .and_then(|l| l.split_whitespace().nth(1))
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(0.0);
+        Self {
+            cpu,
+            cores: std::thread::available_parallelism().map_or(0, |n| n.get()),
+            memory_gib: (kib / 1024.0 / 1024.0 * 10.0).round() / 10.0,
+        }
+    }
+}
+
+/// One load level against one server.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Run {
+    /// The server, e.g. `ferrite` or `llama.cpp`.
+    pub label: String,
+    /// The workload, e.g. `fixed:128:128`.
+    pub workload: String,
+    /// The offered load.
+    pub load: Load,
+    /// What it measured.
+    pub summary: Summary,
+}
+
+/// Everything measured, as stored in the results file.
+#[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
+pub struct Results {
+    /// Where.
+    pub machine: Machine,
+    /// Every run, in the order they were made.
+    pub runs: Vec<Run>,
+}
+
+impl Results {
+    /// Reads a results file; a missing file is an empty result set for this machine.
+    pub fn load(path: &Path) -> Result<Self> {
+        match std::fs::read_to_string(path) {
+            Ok(text) => serde_json::from_str(&text).map_err(|e| {
+                Error::Invalid(format!(
+                    "{} is not a ferrite-bench results file: {e}",
+                    path.display()
+                ))
+            }),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(Self {
+                machine: Machine::this(),
+                runs: Vec::new(),
+            }),
+            Err(e) => Err(Error::Io {
+                path: path.display().to_string(),
+                source: e,
+            }),
+        }
+    }
+
+    /// Writes the file (pretty JSON).
+    pub fn save(&self, path: &Path) -> Result<()> {
+        let io = |e| Error::Io {
+            path: path.display().to_string(),
+            source: e,
+        };
+        if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
+            std::fs::create_dir_all(dir).map_err(io)?;
+        }
+        let text = serde_json::to_string_pretty(self)
+            .map_err(|e| Error::Invalid(format!("serialising results: {e}")))?;
+        std::fs::write(path, text + "\n").map_err(io)
+    }
+
+    /// Adds a run, replacing an earlier one of the same server, workload and load.
+    pub fn upsert(&mut self, run: Run) {
+        self.machine = Machine::this();
+        self.runs.retain(|r| {
+            !(r.label == run.label && r.workload == run.workload && r.load == run.load)
+        });
+        self.runs.push(run);
+    }
+
+    /// The servers measured, in first-seen order.
+    pub fn labels(&self) -> Vec<String> {
+        let mut out: Vec<String> = Vec::new();
+        for r in &self.runs {
+            if !out.contains(&r.label) {
+                out.push(r.label.clone());
+            }
+        }
+        out
+    }
+}
+
+fn secs(v: f64) -> String {
+    if v < 1.0 {
+        format!("{:.0} ms", v * 1000.0)
+    } else {
+        format!("{v:.2} s")
+    }
+}
+
+/// A markdown table of `runs`, one row per run.
+pub fn table(runs: &[&Run]) -> String {
+    let mut out = String::from(
+        "| server | workload | load | req/s | output tok/s | TTFT p50 | TTFT p90 | TTFT p99 | ITL p50 | ITL p90 | e2e p50 | e2e p90 | errors |\n\
+         |---|---|---|---|---|---|---|---|---|---|---|---|---|\n",
+    );
+    for r in runs {
+        let s = &r.summary;
+        out.push_str(&format!(
+            "| {} | {} | {} | {:.2} | {:.1} | {} | {} | {} | {} | {} | {} | {} | {} |\n",
+            r.label,
+            r.workload,
+            r.load,
+            s.requests_per_s,
+            s.output_tokens_per_s,
+            secs(s.ttft_s[0]),
+            secs(s.ttft_s[1]),
+            secs(s.ttft_s[2]),
+            secs(s.itl_s[0]),
+            secs(s.itl_s[1]),
+            secs(s.e2e_s[0]),
+            secs(s.e2e_s[1]),
+            s.errors
+        ));
+    }
+    out
+}
+
+/// A markdown table of `ours` against `peer` on every (workload, load) both measured:
+/// throughput ratio (higher is better for `ours`) and TTFT p90 ratio (lower is better).
+pub fn ratios(results: &Results, ours: &str, peer: &str) -> Option<String> {
+    let mut rows = String::new();
+    for a in results.runs.iter().filter(|r| r.label == ours) {
+        let Some(b) = results
+            .runs
+            .iter()
+            .find(|r| r.label == peer && r.workload == a.workload && r.load == a.load)
+        else {
+            continue;
+        };
+        let (x, y) = (&a.summary, &b.summary);
+        let ratio = |n: f64, d: f64| {
+            if d > 0.0 {
+                format!("{:.2}×", n / d)
+            } else {
+                "–".into()
+            }
+        };
+        rows.push_str(&format!(
+            "| {} | {} | {:.1} | {:.1} | **{}** | {} | {} | **{}** |\n",
+            a.workload,
+            a.load,
+            x.output_tokens_per_s,
+            y.output_tokens_per_s,
+            ratio(x.output_tokens_per_s, y.output_tokens_per_s),
+            secs(x.ttft_s[1]),
+            secs(y.ttft_s[1]),
+            ratio(x.ttft_s[1], y.ttft_s[1]),
+        ));
+    }
+    (!rows.is_empty()).then(|| {
+        format!(
+            "| workload | load | {ours} tok/s | {peer} tok/s | {ours} / {peer} | {ours} TTFT p90 | {peer} TTFT p90 | TTFT {ours} / {peer} |\n\
+             |---|---|---|---|---|---|---|---|\n{rows}"
+        )
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn run(label: &str, load: Load, tok_s: f64, ttft: f64) -> Run {
+        Run {
+            label: label.into(),
+            workload: "fixed:128:128".into(),
+            load,
+            summary: Summary {
+                completed: 4,
+                errors: 0,
+                duration_s: 1.0,
+                requests_per_s: 4.0,
+                output_tokens_per_s: tok_s,
+                prompt_tokens: 512,
+                output_tokens: 512,
+                ttft_s: [ttft, ttft, ttft],
+                itl_s: [0.01, 0.02],
+                e2e_s: [1.0, 1.0],
+            },
+        }
+    }
+
+    #[test]
+    fn upsert_replaces_the_same_level_and_round_trips() {
+        let dir = tempfile::tempdir().expect("tmp");
+        let path = dir.path().join("r/results.json");
+        let mut r = Results::load(&path).expect("missing file is empty");
+        r.upsert(run("ferrite", Load::Concurrency(4), 100.0, 0.5));
+        r.upsert(run("ferrite", Load::Concurrency(4), 110.0, 0.5));
+        r.upsert(run("llama.cpp", Load::Concurrency(4), 50.0, 1.0));
+        assert_eq!(r.runs.len(), 2);
+        r.save(&path).expect("save");
+        assert_eq!(Results::load(&path).expect("load"), r);
+        assert_eq!(r.labels(), ["ferrite", "llama.cpp"]);
+        let t = ratios(&r, "ferrite", "llama.cpp").expect("a shared level");
+        assert!(t.contains("| 110.0 | 50.0 | **2.20×** |"), "{t}");
+        assert!(t.contains("**0.50×**"), "{t}");
+        assert!(ratios(&r, "ferrite", "vllm").is_none());
+        let md = table(&r.runs.iter().collect::<Vec<_>>());
+        assert!(
+            md.contains("| ferrite | fixed:128:128 | concurrency 4 | 4.00 | 110.0 | 500 ms |"),
+            "{md}"
+        );
+    }
+
+    #[test]
+    fn a_foreign_file_is_refused_by_name() {
+        let dir = tempfile::tempdir().expect("tmp");
+        let path = dir.path().join("x.json");
+        std::fs::write(&path, "{\"hello\": 1}").expect("write");
+        let e = Results::load(&path).expect_err("not results").to_string();
+        assert!(
+            e.contains("x.json is not a ferrite-bench results file"),
+            "{e}"
+        );
+    }
+}

@@ -1,0 +1,50 @@
+#!/usr/bin/env bash
+# make bench-peer: the same workloads against what a user would run instead, on the same
+# machine, model and thread count:
+#  - llama.cpp's llama-server, built once from the llama.cpp vendored in the PyPI sdist of
+#    llama-cpp-python (cached in ~/.cache/ferrite/llamacpp), restarted per concurrency with
+#    -np equal to it, --cont-batching, 2048 context per slot (Ferrite's --max-model-len);
+#  - naive Hugging Face Transformers generate, one request at a time, fp32
+#    (scripts/hf_server.py in a venv with torch and transformers from PyPI).
+# Then prints Ferrite / peer ratios for every figure both measured.
+set -euo pipefail
+source "$(dirname "$0")/bench-lib.sh"
+CACHE="${XDG_CACHE_HOME:-$HOME/.cache}/ferrite"
+LLAMA_VERSION=0.3.36
+LLAMA_DIR="$CACHE/llamacpp/llama_cpp_python-$LLAMA_VERSION/vendor/llama.cpp"
+LLAMA_SERVER="$LLAMA_DIR/build/bin/llama-server"
+LOGS="$ROOT/target/bench"; mkdir -p "$LOGS"
+
+if [ ! -x "$LLAMA_SERVER" ]; then
+  mkdir -p "$CACHE/llamacpp" && cd "$CACHE/llamacpp"
+  python3 -m pip download --quiet --no-deps --no-binary :all: "llama-cpp-python==$LLAMA_VERSION" -d .
+  tar xzf "llama_cpp_python-$LLAMA_VERSION.tar.gz"
+  cmake -S "$LLAMA_DIR" -B "$LLAMA_DIR/build" -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON \
+    -DLLAMA_CURL=OFF -DLLAMA_BUILD_SERVER=ON -DLLAMA_BUILD_TESTS=OFF > /dev/null
+  cmake --build "$LLAMA_DIR/build" --target llama-server -j "$(nproc)" > /dev/null
+  cd "$ROOT"
+fi
+
+for c in 1 4 16 64; do
+  PORT=$(free_port); URL="http://127.0.0.1:$PORT"
+  start_server "$LOGS/llama-server-$c.log" "$LLAMA_SERVER" -m "$MODEL" --host 127.0.0.1 --port "$PORT" \
+    -t "$THREADS" -tb "$THREADS" -np "$c" --cont-batching -c $((c * 2048)) --no-warmup
+  "$BENCH" run --url "$URL" --label llama.cpp --results "$RESULTS" --workload "$WORKLOAD" --concurrency "$c"
+  if [ "$c" = 16 ]; then
+    "$BENCH" run --url "$URL" --label llama.cpp --results "$RESULTS" --workload mixed --concurrency 16
+    "$BENCH" run --url "$URL" --label llama.cpp --results "$RESULTS" --workload "$WORKLOAD" --request-rate 0.25,0.5,1 --requests 16
+  fi
+  stop_server
+done
+
+VENV="$CACHE/peer-venv"
+if [ ! -x "$VENV/bin/python" ] || ! "$VENV/bin/python" -c 'import torch, transformers, gguf' 2> /dev/null; then
+  python3 -m venv "$VENV"
+  "$VENV/bin/pip" install --quiet torch==2.9.1 transformers==4.57.3 gguf==0.17.1 numpy
+fi
+PORT=$(free_port); URL="http://127.0.0.1:$PORT"
+start_server "$LOGS/transformers.log" "$VENV/bin/python" "$ROOT/scripts/hf_server.py" --gguf "$MODEL" --port "$PORT" --threads "$THREADS"
+"$BENCH" run --url "$URL" --label transformers --results "$RESULTS" --workload "$WORKLOAD" --concurrency 1,16 --requests 8
+stop_server
+
+"$BENCH" report --results "$RESULTS" --markdown "$ROOT/bench/results/README.md" --plot "$ROOT/bench/results"

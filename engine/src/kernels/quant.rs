@@ -58,6 +58,10 @@ const ROWS_PER_TASK: usize = 16;
 /// are re-read once per task, so blocks are large but still spread over every thread.
 const ACT_ROWS_PER_TASK: usize = 64;
 
+/// Up to this many activation rows, a matrix product splits the weight rows among threads
+/// (each weight block unpacked once); beyond it, the activation rows.
+const WEIGHT_PARALLEL_MAX_ROWS: usize = 32;
+
 impl QuantMatrix {
     /// Wraps GGUF block data of a `[rows, cols]` matrix; `None` if the sizes disagree.
     pub fn from_gguf(format: WeightFormat, rows: usize, cols: usize, data: &[u8]) -> Option<Self> {
@@ -127,36 +131,94 @@ impl QuantMatrix {
         out
     }
 
-    /// Many activation rows (prefill, batches): tasks take blocks of activation rows, quantize
-    /// them, and stream every weight row past them — four rows unpacked at a time — writing
-    /// whole output rows.
+    /// Many activation rows. Batches (decode steps of many sequences, short prefills) split
+    /// the weight rows among the threads, so every weight block is unpacked once per call and
+    /// reused for all activation rows; long prefills split the activation rows instead, so a
+    /// task's rows stay in cache while the weights stream past. Each output is computed by
+    /// the same tile arithmetic either way, so the split never changes a result.
     fn matmat(&self, x: &[f32], m: usize) -> Vec<f32> {
+        if m <= WEIGHT_PARALLEL_MAX_ROWS {
+            self.matmat_by_weight_rows(x, m)
+        } else {
+            self.matmat_by_activation_rows(x, m)
+        }
+    }
+
+    fn matmat_by_weight_rows(&self, x: &[f32], m: usize) -> Vec<f32> {
+        let (dot, tile) = (dot_kernel(self.format), tile_kernel());
+        let with_sums = self.format == WeightFormat::Q4_1;
+        let acts: Vec<QuantizedRow> = x
+            .par_chunks_exact(self.cols)
+            .map(|row| quantize_row(row, with_sums))
+            .collect();
+        // Transposed result, `[rows][m]`: each task owns whole weight rows.
+        let mut t = vec![0f32; self.rows * m];
+        t.par_chunks_mut(ROWS_PER_TASK * m)
+            .enumerate()
+            .for_each_init(
+                || Unpacked::new(self.format, [&[], &[], &[], &[]]),
+                |unpacked, (task, dst)| {
+                    let first = task * ROWS_PER_TASK;
+                    let n = dst.len() / m;
+                    let quads = n / 4 * 4;
+                    for r in (0..quads).step_by(4) {
+                        unpacked.fill(
+                            self.format,
+                            [0, 1, 2, 3].map(|j| self.weight_row(first + r + j)),
+                        );
+                        for (i, a) in acts.iter().enumerate() {
+                            let v = tile(unpacked, a);
+                            for (j, v) in v.into_iter().enumerate() {
+                                dst[(r + j) * m + i] = v;
+                            }
+                        }
+                    }
+                    for r in quads..n {
+                        let w = self.weight_row(first + r);
+                        for (i, a) in acts.iter().enumerate() {
+                            dst[r * m + i] = dot(w, a);
+                        }
+                    }
+                },
+            );
+        let mut out = vec![0f32; m * self.rows];
+        for (r, col) in t.chunks_exact(m).enumerate() {
+            for (i, &v) in col.iter().enumerate() {
+                out[i * self.rows + r] = v;
+            }
+        }
+        out
+    }
+
+    fn matmat_by_activation_rows(&self, x: &[f32], m: usize) -> Vec<f32> {
         let (dot, tile) = (dot_kernel(self.format), tile_kernel());
         let with_sums = self.format == WeightFormat::Q4_1;
         let mut out = vec![0f32; m * self.rows];
         let per_task = ACT_ROWS_PER_TASK.min(m.div_ceil(rayon::current_num_threads()).max(1));
         out.par_chunks_mut(per_task * self.rows)
             .enumerate()
-            .for_each(|(task, dst)| {
-                let first = task * per_task;
-                let acts: Vec<QuantizedRow> = (first..first + dst.len() / self.rows)
-                    .map(|i| quantize_row(&x[i * self.cols..(i + 1) * self.cols], with_sums))
-                    .collect();
-                let quads = self.rows / 4 * 4;
-                for r in (0..quads).step_by(4) {
-                    let unpacked =
-                        Unpacked::new(self.format, [0, 1, 2, 3].map(|j| self.weight_row(r + j)));
-                    for (i, a) in acts.iter().enumerate() {
-                        let at = i * self.rows + r;
-                        dst[at..at + 4].copy_from_slice(&tile(&unpacked, a));
+            .for_each_init(
+                || Unpacked::new(self.format, [&[], &[], &[], &[]]),
+                |unpacked, (task, dst)| {
+                    let first = task * per_task;
+                    let acts: Vec<QuantizedRow> = (first..first + dst.len() / self.rows)
+                        .map(|i| quantize_row(&x[i * self.cols..(i + 1) * self.cols], with_sums))
+                        .collect();
+                    let quads = self.rows / 4 * 4;
+                    for r in (0..quads).step_by(4) {
+                        unpacked.fill(self.format, [0, 1, 2, 3].map(|j| self.weight_row(r + j)));
+                        for (i, a) in acts.iter().enumerate() {
+                            let at = i * self.rows + r;
+                            dst[at..at + 4].copy_from_slice(&tile(unpacked, a));
+                        }
                     }
-                }
-                for r in quads..self.rows {
-                    for (i, a) in acts.iter().enumerate() {
-                        dst[i * self.rows + r] = dot(self.weight_row(r), a);
+                    for r in quads..self.rows {
+                        for (i, a) in acts.iter().enumerate() {
+                            dst[i * self.rows + r] = dot(self.weight_row(r), a);
+                        }
                     }
-                }
-            });
+                },
+            );
         out
     }
 }
@@ -185,35 +247,47 @@ impl Unpacked {
 
 impl Unpacked {
     fn new(format: WeightFormat, rows: [&[u8]; 4]) -> Self {
+        let mut u = Unpacked {
+            q: Vec::new(),
+            d: Vec::new(),
+            m: Vec::new(),
+            signed: true,
+        };
+        u.fill(format, rows);
+        u
+    }
+
+    /// Unpacks four weight rows into this buffer, reusing its memory.
+    fn fill(&mut self, format: WeightFormat, rows: [&[u8]; 4]) {
         let stride = format.block_bytes();
         let nb = rows[0].len() / stride;
-        let mut u = Unpacked {
-            q: Vec::with_capacity(nb * 4),
-            d: Vec::with_capacity(nb * 4),
-            m: Vec::with_capacity(nb * 4),
-            signed: format != WeightFormat::Q4_1,
-        };
+        self.signed = format != WeightFormat::Q4_1;
+        self.q.clear();
+        self.d.clear();
+        self.m.clear();
+        self.q.reserve(nb * 4);
+        self.d.reserve(nb * 4);
+        self.m.reserve(nb * 4);
         for i in 0..nb {
             for row in rows {
                 let b = &row[i * stride..(i + 1) * stride];
-                u.d.push(f16_at(b, 0));
+                self.d.push(f16_at(b, 0));
                 match format {
                     WeightFormat::Q4_1 => {
-                        u.m.push(f16_at(b, 2));
-                        u.q.push(nibbles(&b[4..], 0));
+                        self.m.push(f16_at(b, 2));
+                        self.q.push(nibbles(&b[4..], 0));
                     }
                     WeightFormat::Q4_0 => {
-                        u.m.push(0.0);
-                        u.q.push(nibbles(&b[2..], 8));
+                        self.m.push(0.0);
+                        self.q.push(nibbles(&b[2..], 8));
                     }
                     WeightFormat::Q8_0 => {
-                        u.m.push(0.0);
-                        u.q.push(std::array::from_fn(|j| b[2 + j] as i8));
+                        self.m.push(0.0);
+                        self.q.push(std::array::from_fn(|j| b[2 + j] as i8));
                     }
                 }
             }
         }
-        u
     }
 }
 
@@ -718,6 +792,42 @@ mod tests {
         }
         let alone = mat.matmul(&x[2 * cols..]);
         assert_eq!(alone[..], out[2 * rows..]);
+    }
+
+    #[test]
+    fn both_batch_splits_give_each_row_exactly_its_single_row_result() {
+        // 38 rows: quads, a partial task and rows outside any quad.
+        let (rows, cols) = (38, 96);
+        let w: Vec<Vec<f32>> = (0..rows)
+            .map(|r| {
+                (0..cols)
+                    .map(|c| ((r * 17 + c * 5) % 29) as f32 / 29.0 - 0.5)
+                    .collect()
+            })
+            .collect();
+        let mat = QuantMatrix::from_gguf(WeightFormat::Q4_1, rows, cols, &encode_q4_1(&w))
+            .expect("sizes");
+        // Batches on either side of WEIGHT_PARALLEL_MAX_ROWS.
+        for m in [
+            2,
+            7,
+            WEIGHT_PARALLEL_MAX_ROWS,
+            WEIGHT_PARALLEL_MAX_ROWS + 1,
+            70,
+        ] {
+            let x: Vec<f32> = (0..m * cols)
+                .map(|i| ((i * 11) % 19) as f32 / 19.0 - 0.45)
+                .collect();
+            let out = mat.matmul(&x);
+            for i in 0..m {
+                let alone = mat.matmul(&x[i * cols..(i + 1) * cols]);
+                assert_eq!(
+                    alone[..],
+                    out[i * rows..(i + 1) * rows],
+                    "batch {m}, row {i}"
+                );
+            }
+        }
     }
 
     #[test]

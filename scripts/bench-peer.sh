@@ -25,26 +25,29 @@ if [ ! -x "$LLAMA_SERVER" ]; then
   cd "$ROOT"
 fi
 
-for c in 1 4 16 64; do
-  PORT=$(free_port); URL="http://127.0.0.1:$PORT"
-  start_server "$LOGS/llama-server-$c.log" "$LLAMA_SERVER" -m "$MODEL" --host 127.0.0.1 --port "$PORT" \
-    -t "$THREADS" -tb "$THREADS" -np "$c" --cont-batching -c $((c * 2048)) --no-warmup
-  "$BENCH" run --url "$URL" --label llama.cpp --results "$RESULTS" --workload "$WORKLOAD" --concurrency "$c"
-  if [ "$c" = 16 ]; then
-    "$BENCH" run --url "$URL" --label llama.cpp --results "$RESULTS" --workload mixed --concurrency 16
-    "$BENCH" run --url "$URL" --label llama.cpp --results "$RESULTS" --workload "$WORKLOAD" --request-rate 0.25,0.5,1 --requests 16
-  fi
-  stop_server
-done
-
 VENV="$CACHE/peer-venv"
-if [ ! -x "$VENV/bin/python" ] || ! "$VENV/bin/python" -c 'import torch, transformers, gguf' 2> /dev/null; then
+if [ ! -x "$VENV/bin/python" ] || ! "$VENV/bin/python" -c 'import torch, transformers, gguf, accelerate' 2> /dev/null; then
   python3 -m venv "$VENV"
-  "$VENV/bin/pip" install --quiet torch==2.9.1 transformers==4.57.3 gguf==0.17.1 numpy
+  "$VENV/bin/pip" install --quiet torch==2.9.1 transformers==4.57.3 gguf==0.17.1 accelerate==1.12.0 numpy
 fi
 PORT=$(free_port); URL="http://127.0.0.1:$PORT"
 start_server "$LOGS/transformers.log" "$VENV/bin/python" "$ROOT/scripts/hf_server.py" --gguf "$MODEL" --port "$PORT" --threads "$THREADS"
 "$BENCH" run --url "$URL" --label transformers --results "$RESULTS" --workload "$WORKLOAD" --concurrency 1,16 --requests 8
 stop_server
+
+
+for c in 1 4 16 64; do
+  PORT=$(free_port); URL="http://127.0.0.1:$PORT"
+  start_server "$LOGS/llama-server-$c.log" "$LLAMA_SERVER" -m "$MODEL" --host 127.0.0.1 --port "$PORT" \
+    -t "$THREADS" -tb "$THREADS" -np "$c" --cont-batching -c $((c * 2048)) --no-warmup
+  # Ferrite runs with prefix caching off; llama-server's prompt cache goes off per request.
+  LLAMA=(--url "$URL" --label llama.cpp --results "$RESULTS" --extra-body '{"cache_prompt": false}')
+  "$BENCH" run "${LLAMA[@]}" --workload "$WORKLOAD" --concurrency "$c"
+  if [ "$c" = 16 ]; then
+    "$BENCH" run "${LLAMA[@]}" --workload mixed --concurrency 16
+    "$BENCH" run "${LLAMA[@]}" --workload "$WORKLOAD" --request-rate 0.25,0.5,1 --requests 16
+  fi
+  stop_server
+done
 
 "$BENCH" report --results "$RESULTS" --markdown "$ROOT/bench/results/README.md" --plot "$ROOT/bench/results"

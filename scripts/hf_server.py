@@ -110,7 +110,7 @@ def main():
     started = time.time()
     TOKENIZER = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
     MODEL = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name,
-                                                 torch_dtype=torch.float32).eval()
+                                                 dtype=torch.float32).eval()
     print(f"loaded {path.name} in {time.time() - started:.1f} s (fp32, {ARGS.threads} threads)",
           flush=True)
     ThreadingHTTPServer(("127.0.0.1", ARGS.port), Handler).serve_forever()

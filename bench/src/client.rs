@@ -62,19 +62,24 @@ pub async fn tokenize(
     )))
 }
 
-/// Streams one completion of `spec` from `{base}/v1/completions` and times it.
+/// Streams one completion of `spec` from `{base}/v1/completions` and times it; `extra`
+/// (a JSON object, e.g. llama.cpp's `{"cache_prompt": false}`) is merged into the body.
 pub async fn complete(
     http: &reqwest::Client,
     base: &str,
     model: &str,
     spec: &RequestSpec,
+    extra: &Value,
 ) -> Result<Sample> {
     let url = format!("{base}/v1/completions");
-    let body = json!({
+    let mut body = json!({
         "model": model, "prompt": spec.prompt, "max_tokens": spec.max_tokens,
         "temperature": 0, "ignore_eos": true, "stream": true,
         "stream_options": {"include_usage": true},
     });
+    if let (Some(b), Some(e)) = (body.as_object_mut(), extra.as_object()) {
+        b.extend(e.clone());
+    }
     let fail = |e: &dyn std::fmt::Display| Error::Http(format!("{url}: {e}"));
     let start = Instant::now();
     let resp = http

@@ -57,6 +57,10 @@ struct RunArgs {
     /// Results file the runs are added to.
     #[arg(long, default_value = "bench/results/results.json")]
     results: PathBuf,
+    /// JSON object merged into every request body, for server-specific switches
+    /// (llama.cpp: '{"cache_prompt": false}', so repeated prompts are computed like the first).
+    #[arg(long, value_parser = parse_object)]
+    extra_body: Option<serde_json::Value>,
     /// Per-request timeout in seconds.
     #[arg(long, default_value_t = 600)]
     timeout: u64,
@@ -79,6 +83,15 @@ struct ReportArgs {
     /// Draw SVG plots into this folder.
     #[arg(long)]
     plot: Option<PathBuf>,
+}
+
+fn parse_object(s: &str) -> std::result::Result<serde_json::Value, String> {
+    match serde_json::from_str::<serde_json::Value>(s) {
+        Ok(v) if v.is_object() => Ok(v),
+        _ => Err(format!(
+            "`{s}` is not a JSON object, e.g. '{{\"cache_prompt\": false}}'"
+        )),
+    }
 }
 
 async fn run(args: RunArgs) -> Result<()> {
@@ -106,10 +119,18 @@ async fn run(args: RunArgs) -> Result<()> {
     let target = Target {
         base,
         model: args.model.clone(),
+        extra_body: args.extra_body.clone().unwrap_or(serde_json::Value::Null),
     };
     // One short request first, so a cold server's first-request costs are not measured.
     let warm = requests(args.workload, &corpus, 1, args.seed ^ 1);
-    let _ = ferrite_bench::client::complete(&http, &target.base, &target.model, &warm[0]).await;
+    let _ = ferrite_bench::client::complete(
+        &http,
+        &target.base,
+        &target.model,
+        &warm[0],
+        &target.extra_body,
+    )
+    .await;
 
     let mut levels: Vec<Load> = args
         .concurrency

@@ -42,12 +42,14 @@ pub struct Target {
     pub base: String,
     /// The `model` field of requests.
     pub model: String,
+    /// Fields added to every request body (a JSON object, or null).
+    pub extra_body: serde_json::Value,
 }
 
 type Outcome = (usize, Result<Sample, String>);
 
 async fn one(http: &reqwest::Client, target: &Target, spec: &RequestSpec) -> Outcome {
-    let r = complete(http, &target.base, &target.model, spec)
+    let r = complete(http, &target.base, &target.model, spec, &target.extra_body)
         .await
         .map_err(|e| e.to_string());
     (spec.prompt.len(), r)

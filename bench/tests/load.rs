@@ -105,6 +105,7 @@ async fn closed_loop_keeps_exactly_the_concurrency_in_flight() {
     let target = Target {
         base: url,
         model: "m".into(),
+        extra_body: serde_json::Value::Null,
     };
     let (s, err) = run_level(
         &http,
@@ -148,6 +149,7 @@ async fn open_loop_overlaps_requests_and_counts_failures() {
     let target = Target {
         base: url,
         model: "m".into(),
+        extra_body: serde_json::Value::Null,
     };
     // 200 requests/s against 200 ms requests: arrivals do not wait for answers.
     let (s, err) = run_level(

@@ -75,7 +75,8 @@ async fn tokenize_route(Json(req): Json<Value>) -> Json<Value> {
     Json(json!({"tokens": (1..=words as u64).collect::<Vec<_>>()}))
 }
 
-async fn server() -> (String, Arc<Counters>) {
+/// The scripted server, as a target for the load generator.
+async fn server() -> (Target, Arc<Counters>) {
     let counters = Arc::new(Counters::default());
     let app = Router::new()
         .route("/v1/completions", post(completions))
@@ -84,16 +85,21 @@ async fn server() -> (String, Arc<Counters>) {
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
         .await
         .expect("bind");
-    let url = format!("http://{}", listener.local_addr().expect("addr"));
+    let base = format!("http://{}", listener.local_addr().expect("addr"));
     tokio::spawn(async move { axum::serve(listener, app).await });
-    (url, counters)
+    let target = Target {
+        base,
+        model: "m".into(),
+        extra_body: serde_json::Value::Null,
+    };
+    (target, counters)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn closed_loop_keeps_exactly_the_concurrency_in_flight() {
-    let (url, counters) = server().await;
+    let (target, counters) = server().await;
     let http = reqwest::Client::new();
-    let corpus = tokenize(&http, &url, "m", "one two three four five six")
+    let corpus = tokenize(&http, &target.base, "m", "one two three four five six")
         .await
         .expect("tokenize");
     assert_eq!(corpus, [1, 2, 3, 4, 5, 6]);
@@ -102,11 +108,6 @@ async fn closed_loop_keeps_exactly_the_concurrency_in_flight() {
         output: 10,
     };
     let specs = requests(shape, &corpus, 12, 0);
-    let target = Target {
-        base: url,
-        model: "m".into(),
-        extra_body: serde_json::Value::Null,
-    };
     let (s, err) = run_level(
         &http,
         &target,
@@ -131,7 +132,7 @@ async fn closed_loop_keeps_exactly_the_concurrency_in_flight() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn open_loop_overlaps_requests_and_counts_failures() {
-    let (url, counters) = server().await;
+    let (target, counters) = server().await;
     let http = reqwest::Client::new();
     // Token 0 starts the prompts of failing requests.
     let corpus: Vec<u32> = vec![0, 1, 2, 3];
@@ -146,11 +147,6 @@ async fn open_loop_overlaps_requests_and_counts_failures() {
     );
     let failing = specs.iter().filter(|s| s.prompt[0] == 0).count();
     assert!(failing > 0 && failing < 16);
-    let target = Target {
-        base: url,
-        model: "m".into(),
-        extra_body: serde_json::Value::Null,
-    };
     // 200 requests/s against 200 ms requests: arrivals do not wait for answers.
     let (s, err) = run_level(
         &http,

@@ -124,10 +124,11 @@ async fn closed_loop_keeps_exactly_the_concurrency_in_flight() {
     assert_eq!(s.prompt_tokens, 48);
     assert_eq!(counters.peak.load(Ordering::SeqCst), 3);
     assert_eq!(counters.served.load(Ordering::SeqCst), 12);
-    // Ten tokens 5 ms apart: TTFT and ITL are in the right range.
-    assert!(s.ttft_s[0] >= 0.004, "{:?}", s.ttft_s);
-    assert!(s.itl_s[0] >= 0.004 && s.itl_s[0] < 0.5, "{:?}", s.itl_s);
-    assert!(s.e2e_s[0] >= 0.05, "{:?}", s.e2e_s);
+    // The server sleeps 5 ms before every event, so no gap the client measures can be
+    // shorter (a floor the server guarantees, not a speed), and the parts nest in order.
+    assert!(s.ttft_s[0] >= 0.005, "{:?}", s.ttft_s);
+    assert!(s.itl_s[0] >= 0.005, "{:?}", s.itl_s);
+    assert!(s.ttft_s[1] <= s.e2e_s[1] && s.e2e_s[0] >= 0.05, "{s:?}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

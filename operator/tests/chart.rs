@@ -10,10 +10,10 @@ use std::time::Duration;
 use clap::Parser;
 use ferrite_crds::LLMService;
 use ferrite_operator::cli::Args;
-use ferrite_testcluster::{apply, eventually, install_crds, TestCluster};
+use ferrite_testcluster::{apply, ensure_namespace, eventually, install_crds, TestCluster};
 use k8s_openapi::api::apps::v1::Deployment;
 use k8s_openapi::api::coordination::v1::Lease;
-use k8s_openapi::api::core::v1::{Namespace, Secret};
+use k8s_openapi::api::core::v1::Secret;
 use k8s_openapi::api::rbac::v1::ClusterRoleBinding;
 use kube::api::{Api, DeleteParams, Patch, PatchParams, PostParams};
 use kube::Client;
@@ -82,14 +82,6 @@ fn forbidden<T: std::fmt::Debug>(what: &str, r: Result<T, kube::Error>) {
         Err(kube::Error::Api(s)) if s.code == 403 => {}
         other => panic!("{what}: expected 403 Forbidden, got {other:?}"),
     }
-}
-
-async fn create_namespace(client: &Client, name: &str) {
-    let ns: Namespace = serde_json::from_value(json!({"metadata": {"name": name}})).expect("ns");
-    Api::<Namespace>::all(client.clone())
-        .create(&PostParams::default(), &ns)
-        .await
-        .expect("namespace");
 }
 
 async fn wait_ready(api: &Api<LLMService>, name: &str) {
@@ -279,7 +271,7 @@ async fn namespaced_install_serves_its_namespace_and_nothing_else() {
         .await
         .expect("CRD");
     // values-custom.yaml watches team-a; monitors off here (no prometheus-operator CRDs).
-    create_namespace(&admin, "team-a").await;
+    ensure_namespace(&admin, "team-a").await.expect("team-a");
     let release_ns = cluster.namespace(&admin, "platform").await.expect("ns");
     let objects = render(
         &release_ns,

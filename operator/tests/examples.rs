@@ -5,10 +5,8 @@
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-use ferrite_testcluster::{apply, binaries_dir, install_crds, TestCluster};
-use k8s_openapi::api::core::v1::Namespace;
-use kube::api::{Api, PostParams};
-use serde_json::{json, Value};
+use ferrite_testcluster::{apply, binaries_dir, ensure_namespace, install_crds, TestCluster};
+use serde_json::Value;
 
 fn examples() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../examples")
@@ -76,25 +74,13 @@ fn diff(a: &Value, b: &Value, path: String, out: &mut Vec<String>) {
     }
 }
 
-async fn namespace(client: &kube::Client, name: &str) {
-    let ns: Namespace = serde_json::from_value(json!({"metadata": {"name": name}})).expect("ns");
-    match Api::<Namespace>::all(client.clone())
-        .create(&PostParams::default(), &ns)
-        .await
-    {
-        Ok(_) => {}
-        Err(kube::Error::Api(s)) if s.code == 409 => {}
-        Err(e) => panic!("namespace {name}: {e}"),
-    }
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn every_example_file_is_accepted_by_the_api_server() {
     let cluster = TestCluster::shared();
     let client = cluster.client().await.expect("client");
     let crd = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../crds/llmservice.yaml");
     install_crds(&client, &crd).await.expect("CRD");
-    namespace(&client, "argocd").await;
+    ensure_namespace(&client, "argocd").await.expect("argocd");
     let mut files = Vec::new();
     manifests(&examples(), &mut files);
     assert!(files.len() >= 8, "found only {files:?}");

@@ -2,10 +2,7 @@
 //! apply --server-side` does, and clients that act as another user (a ServiceAccount) so a
 //! test can run code with exactly the permissions a role grants.
 
-use std::path::Path;
-
 use kube::api::{Api, DynamicObject, Patch, PatchParams};
-use kube::config::{KubeConfigOptions, Kubeconfig};
 use kube::core::GroupVersionKind;
 use kube::discovery::{pinned_kind, Scope};
 use kube::Client;
@@ -46,19 +43,9 @@ impl TestCluster {
     /// A client that impersonates `user` in `groups` (e.g. a ServiceAccount,
     /// `system:serviceaccount:<ns>:<name>`): every request is authorized as that user alone.
     pub async fn client_as(&self, user: &str, groups: &[&str]) -> Result<Client, Error> {
-        impersonating_client(self.kubeconfig_path(), user, groups).await
+        let mut config = crate::config_from(self.kubeconfig_path()).await?;
+        config.auth_info.impersonate = Some(user.to_string());
+        config.auth_info.impersonate_groups = Some(groups.iter().map(|g| g.to_string()).collect());
+        Ok(Client::try_from(config)?)
     }
-}
-
-async fn impersonating_client(
-    kubeconfig: &Path,
-    user: &str,
-    groups: &[&str],
-) -> Result<Client, Error> {
-    let kc = Kubeconfig::read_from(kubeconfig)?;
-    let mut config =
-        kube::Config::from_custom_kubeconfig(kc, &KubeConfigOptions::default()).await?;
-    config.auth_info.impersonate = Some(user.to_string());
-    config.auth_info.impersonate_groups = Some(groups.iter().map(|g| g.to_string()).collect());
-    Ok(Client::try_from(config)?)
 }

@@ -492,9 +492,26 @@ impl Drop for TestCluster {
 
 /// A kube client from a kubeconfig file.
 pub async fn client_from(kubeconfig: &Path) -> Result<Client, Error> {
+    Ok(Client::try_from(config_from(kubeconfig).await?)?)
+}
+
+/// The client configuration a kubeconfig file describes.
+async fn config_from(kubeconfig: &Path) -> Result<kube::Config, Error> {
     let kc = Kubeconfig::read_from(kubeconfig)?;
-    let config = kube::Config::from_custom_kubeconfig(kc, &KubeConfigOptions::default()).await?;
-    Ok(Client::try_from(config)?)
+    Ok(kube::Config::from_custom_kubeconfig(kc, &KubeConfigOptions::default()).await?)
+}
+
+/// Creates the namespace `name` unless it exists (for manifests that name their namespace;
+/// tests otherwise use [`TestCluster::namespace`]'s fresh ones).
+pub async fn ensure_namespace(client: &Client, name: &str) -> Result<(), Error> {
+    let ns: Namespace = serde_json::from_value(serde_json::json!({"metadata": {"name": name}}))?;
+    match Api::<Namespace>::all(client.clone())
+        .create(&PostParams::default(), &ns)
+        .await
+    {
+        Err(kube::Error::Api(s)) if s.code == 409 => Ok(()),
+        r => r.map(|_| ()).map_err(Error::from),
+    }
 }
 
 async fn readyz(client: &Client) -> Result<bool, Error> {

@@ -9,6 +9,7 @@
 //! shares the batch, so results are batch-invariant.
 
 use half::f16;
+#[cfg(not(all(target_arch = "x86_64", target_feature = "f16c")))]
 use half::slice::HalfFloatSliceExt;
 use rayon::prelude::*;
 
@@ -52,60 +53,48 @@ impl KvElement for f16 {
         f16::to_f32(self)
     }
     fn widen(src: &[Self], dst: &mut [f32]) {
-        #[cfg(target_arch = "x86_64")]
-        if f16c::available() {
-            f16c::widen(src, dst);
-            return;
-        }
+        #[cfg(all(target_arch = "x86_64", target_feature = "f16c"))]
+        f16c::widen(src, dst);
+        #[cfg(not(all(target_arch = "x86_64", target_feature = "f16c")))]
         src.convert_to_f32_slice(dst);
     }
+    #[cfg_attr(
+        all(target_arch = "x86_64", target_feature = "f16c"),
+        allow(unused_variables)
+    )]
     fn round_slice(x: &mut [f32], scratch: &mut [Self]) {
-        #[cfg(target_arch = "x86_64")]
-        if f16c::available() {
-            f16c::round(x);
-            return;
+        #[cfg(all(target_arch = "x86_64", target_feature = "f16c"))]
+        f16c::round(x);
+        #[cfg(not(all(target_arch = "x86_64", target_feature = "f16c")))]
+        {
+            scratch.convert_from_f32_slice(x);
+            scratch.convert_to_f32_slice(x);
         }
-        scratch.convert_from_f32_slice(x);
-        scratch.convert_to_f32_slice(x);
     }
 }
 
 /// f16 <-> f32 eight values at a time with the F16C instructions: the same IEEE
 /// conversions (round to nearest even) as the `half` crate's, without a call per row.
-#[cfg(target_arch = "x86_64")]
+/// Chosen at compile time (every build here targets a CPU with F16C: `native` locally,
+/// `x86-64-v3` in images), so the per-row hot path carries no feature check.
+#[cfg(all(target_arch = "x86_64", target_feature = "f16c"))]
 #[allow(unsafe_code)]
 mod f16c {
     use std::arch::x86_64::*;
 
     use half::f16;
 
-    /// Whether this CPU has F16C and AVX (checked once, then cached by std).
-    pub fn available() -> bool {
-        std::arch::is_x86_feature_detected!("f16c") && std::arch::is_x86_feature_detected!("avx")
-    }
-
     /// Widens `src` into `dst` (same length).
+    #[inline]
     pub fn widen(src: &[f16], dst: &mut [f32]) {
-        // SAFETY: callers check `available()` first.
-        unsafe { widen_f16c(src, dst) }
-    }
-
-    /// Rounds every value of `x` to f16 and back.
-    pub fn round(x: &mut [f32]) {
-        // SAFETY: callers check `available()` first.
-        unsafe { round_f16c(x) }
-    }
-
-    #[target_feature(enable = "f16c,avx")]
-    fn widen_f16c(src: &[f16], dst: &mut [f32]) {
         let n = src.len().min(dst.len());
         let whole = n / 8 * 8;
         for (s, d) in src[..whole]
             .chunks_exact(8)
             .zip(dst[..whole].chunks_exact_mut(8))
         {
-            // SAFETY: `s` holds eight f16 (16 bytes) and `d` eight f32; both accesses are
-            // unaligned loads/stores of exactly those bytes.
+            // SAFETY: F16C and AVX are enabled at compile time (this module's cfg); `s` holds
+            // eight f16 (16 bytes) and `d` eight f32, accessed unaligned, exactly those bytes.
             unsafe {
                 let h = _mm_loadu_si128(s.as_ptr().cast());
                 _mm256_storeu_ps(d.as_mut_ptr(), _mm256_cvtph_ps(h));
@@ -116,11 +105,13 @@ mod f16c {
         }
     }
 
-    #[target_feature(enable = "f16c,avx")]
-    fn round_f16c(x: &mut [f32]) {
+    /// Rounds every value of `x` to f16 and back.
+    #[inline]
+    pub fn round(x: &mut [f32]) {
         let whole = x.len() / 8 * 8;
         for c in x[..whole].chunks_exact_mut(8) {
-            // SAFETY: `c` holds eight f32; unaligned load and store of exactly those bytes.
+            // SAFETY: F16C and AVX are enabled at compile time (this module's cfg); `c` holds
+            // eight f32, loaded and stored unaligned, exactly those bytes.
             unsafe {
                 let v = _mm256_loadu_ps(c.as_ptr());
                 let h = _mm256_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(v);

@@ -155,32 +155,29 @@ impl QuantMatrix {
         let mut t = vec![0f32; self.rows * m];
         t.par_chunks_mut(ROWS_PER_TASK * m)
             .enumerate()
-            .for_each_init(
-                || Unpacked::new(self.format, [&[], &[], &[], &[]]),
-                |unpacked, (task, dst)| {
-                    let first = task * ROWS_PER_TASK;
-                    let n = dst.len() / m;
-                    let quads = n / 4 * 4;
-                    for r in (0..quads).step_by(4) {
-                        unpacked.fill(
-                            self.format,
-                            [0, 1, 2, 3].map(|j| self.weight_row(first + r + j)),
-                        );
-                        for (i, a) in acts.iter().enumerate() {
-                            let v = tile(unpacked, a);
-                            for (j, v) in v.into_iter().enumerate() {
-                                dst[(r + j) * m + i] = v;
-                            }
+            .for_each_init(Unpacked::default, |unpacked, (task, dst)| {
+                let first = task * ROWS_PER_TASK;
+                let n = dst.len() / m;
+                let quads = n / 4 * 4;
+                for r in (0..quads).step_by(4) {
+                    unpacked.fill(
+                        self.format,
+                        [0, 1, 2, 3].map(|j| self.weight_row(first + r + j)),
+                    );
+                    for (i, a) in acts.iter().enumerate() {
+                        let v = tile(unpacked, a);
+                        for (j, v) in v.into_iter().enumerate() {
+                            dst[(r + j) * m + i] = v;
                         }
                     }
-                    for r in quads..n {
-                        let w = self.weight_row(first + r);
-                        for (i, a) in acts.iter().enumerate() {
-                            dst[r * m + i] = dot(w, a);
-                        }
+                }
+                for r in quads..n {
+                    let w = self.weight_row(first + r);
+                    for (i, a) in acts.iter().enumerate() {
+                        dst[r * m + i] = dot(w, a);
                     }
-                },
-            );
+                }
+            });
         let mut out = vec![0f32; m * self.rows];
         for (r, col) in t.chunks_exact(m).enumerate() {
             for (i, &v) in col.iter().enumerate() {
@@ -197,35 +194,32 @@ impl QuantMatrix {
         let per_task = ACT_ROWS_PER_TASK.min(m.div_ceil(rayon::current_num_threads()).max(1));
         out.par_chunks_mut(per_task * self.rows)
             .enumerate()
-            .for_each_init(
-                || Unpacked::new(self.format, [&[], &[], &[], &[]]),
-                |unpacked, (task, dst)| {
-                    let first = task * per_task;
-                    let acts: Vec<QuantizedRow> = (first..first + dst.len() / self.rows)
-                        .map(|i| quantize_row(&x[i * self.cols..(i + 1) * self.cols], with_sums))
-                        .collect();
-                    let quads = self.rows / 4 * 4;
-                    for r in (0..quads).step_by(4) {
-                        unpacked.fill(self.format, [0, 1, 2, 3].map(|j| self.weight_row(r + j)));
-                        for (i, a) in acts.iter().enumerate() {
-                            let at = i * self.rows + r;
-                            dst[at..at + 4].copy_from_slice(&tile(unpacked, a));
-                        }
+            .for_each_init(Unpacked::default, |unpacked, (task, dst)| {
+                let first = task * per_task;
+                let acts: Vec<QuantizedRow> = (first..first + dst.len() / self.rows)
+                    .map(|i| quantize_row(&x[i * self.cols..(i + 1) * self.cols], with_sums))
+                    .collect();
+                let quads = self.rows / 4 * 4;
+                for r in (0..quads).step_by(4) {
+                    unpacked.fill(self.format, [0, 1, 2, 3].map(|j| self.weight_row(r + j)));
+                    for (i, a) in acts.iter().enumerate() {
+                        let at = i * self.rows + r;
+                        dst[at..at + 4].copy_from_slice(&tile(unpacked, a));
                     }
-                    for r in quads..self.rows {
-                        for (i, a) in acts.iter().enumerate() {
-                            dst[i * self.rows + r] = dot(self.weight_row(r), a);
-                        }
+                }
+                for r in quads..self.rows {
+                    for (i, a) in acts.iter().enumerate() {
+                        dst[i * self.rows + r] = dot(self.weight_row(r), a);
                     }
-                },
-            );
+                }
+            });
         out
     }
 }
 
 /// Four weight rows with their blocks unpacked to 32 bytes each, block-major, so a batch of
 /// activation rows can reuse them from L1 without unpacking nibbles again.
-#[derive(Debug)]
+#[derive(Debug, Default)]
 pub struct Unpacked {
     /// `[block][row]` → 32 values (unsigned 0..16 for Q4_1, signed otherwise).
     q: Vec<[i8; BLOCK]>,
@@ -246,17 +240,6 @@ impl Unpacked {
 }
 
 impl Unpacked {
-    fn new(format: WeightFormat, rows: [&[u8]; 4]) -> Self {
-        let mut u = Unpacked {
-            q: Vec::new(),
-            d: Vec::new(),
-            m: Vec::new(),
-            signed: true,
-        };
-        u.fill(format, rows);
-        u
-    }
-
     /// Unpacks four weight rows into this buffer, reusing its memory.
     fn fill(&mut self, format: WeightFormat, rows: [&[u8]; 4]) {
         let stride = format.block_bytes();
@@ -877,7 +860,8 @@ mod tests {
                 four.iter().all(|&v| bits(v) == bits(portable)),
                 "{fmt:?} dot4"
             );
-            let u = Unpacked::new(fmt, [&w, &w, &w, &w]);
+            let mut u = Unpacked::default();
+            u.fill(fmt, [&w, &w, &w, &w]);
             let mut tiles = vec![tile_kernel()(&u, &a), tile_portable(&u, &a)];
             #[cfg(target_arch = "x86_64")]
             if std::arch::is_x86_feature_detected!("avx2")

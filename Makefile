@@ -43,13 +43,12 @@ crds:
 	cp crds/llmservice.yaml charts/ferrite/crds/llmservice.yaml
 
 ## test: the whole suite (fetches the model and test tools first). The API tests run the
-## binaries cargo test built with the optimized test profile (the build line only puts those
-## in target/debug/, over any plain `cargo build` output).
+## binaries `cargo test --workspace` just put in target/debug/: the optimized test-profile
+## builds (cargo copies them there on every run, over any plain `cargo build` output).
 test: model pyenv k8s
 	FERRITE_PYTHON="$$(scripts/python-env.sh)" FERRITE_K8S_DIR="$$(scripts/build-k8s.sh --print-dir)" \
 	  $(CARGO) test --workspace --all-targets
 	$(CARGO) test --workspace --doc
-	$(CARGO) build --profile test -p ferrite-engine -p ferrite-bench --bins
 	FERRITE_BIN=$(CURDIR)/target/debug/ferrite-engine "$$(scripts/python-env.sh)" -m pytest -q tests/api tests/chart
 
 fmt:

@@ -32,8 +32,9 @@ impl FinishReason {
 pub struct TokenOutput {
     /// The chosen token id.
     pub id: u32,
-    /// Its log-probability under the model (before penalties and temperature).
-    pub logprob: f32,
+    /// Its log-probability under the model (before penalties and temperature); computed
+    /// only when the request asked for `logprobs` (a full-vocabulary softmax per token).
+    pub logprob: Option<f32>,
     /// The `logprobs` most likely tokens at this step, best first.
     pub top: Vec<(u32, f32)>,
 }
@@ -87,7 +88,7 @@ impl SequenceState {
         let want_top = params.logprobs;
         let min_tokens = params.min_tokens;
         let max_tokens = params.max_tokens;
-        let raw = log_softmax(logits);
+        let raw = want_top.map(|_| log_softmax(logits));
         let banned: &[u32] = if self.output.len() < min_tokens {
             &self.end_ids
         } else {
@@ -99,8 +100,13 @@ impl SequenceState {
         self.output.push(id);
         let token = TokenOutput {
             id,
-            logprob: raw.get(id as usize).copied().unwrap_or(f32::NEG_INFINITY),
-            top: want_top.map(|k| top_logprobs(&raw, k)).unwrap_or_default(),
+            logprob: raw
+                .as_ref()
+                .map(|raw| raw.get(id as usize).copied().unwrap_or(f32::NEG_INFINITY)),
+            top: match (&raw, want_top) {
+                (Some(raw), Some(k)) => top_logprobs(raw, k),
+                _ => Vec::new(),
+            },
         };
         if self.end_ids.contains(&id) {
             self.finish = Some(FinishReason::Stop);

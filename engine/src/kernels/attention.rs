@@ -27,7 +27,18 @@ pub trait KvElement: Copy + Default + Send + Sync + std::fmt::Debug + 'static {
     fn widen(src: &[Self], dst: &mut [f32]);
     /// Rounds every value of `x` to this precision and back, using `scratch` (same length).
     fn round_slice(x: &mut [f32], scratch: &mut [Self]);
+    /// A vectorized kernel for one (query, head) with `head_dim` values per head, if this
+    /// element type and CPU have one; it must compute exactly what the portable loop does.
+    fn head_kernel(_head_dim: usize) -> Option<HeadKernel<Self>> {
+        None
+    }
 }
+
+/// Attention of one query head over positions `0..=last` of one KV head: the rounded
+/// query (`head_dim` values), the sequence's keys and values, the KV head's offset within
+/// a row and the row width, the score scale; writes the `head_dim` outputs.
+pub type HeadKernel<T> =
+    fn(&[f32], KvBlocks<'_, T>, KvBlocks<'_, T>, usize, usize, usize, f32, &mut [f32]);
 
 impl KvElement for f32 {
     fn from_f32(x: f32) -> Self {
@@ -57,6 +68,19 @@ impl KvElement for f16 {
         f16c::widen(src, dst);
         #[cfg(not(all(target_arch = "x86_64", target_feature = "f16c")))]
         src.convert_to_f32_slice(dst);
+    }
+    fn head_kernel(head_dim: usize) -> Option<HeadKernel<Self>> {
+        #[cfg(target_arch = "x86_64")]
+        if std::arch::is_x86_feature_detected!("avx512f") {
+            return match head_dim {
+                64 => Some(avx512::head::<4>),
+                128 => Some(avx512::head::<8>),
+                256 => Some(avx512::head::<16>),
+                _ => None,
+            };
+        }
+        let _ = head_dim;
+        None
     }
     #[cfg_attr(
         all(target_arch = "x86_64", target_feature = "f16c"),
@@ -163,6 +187,37 @@ pub fn paged_attention<T: KvElement>(
     shape: HeadShape,
     out: &mut [f32],
 ) {
+    let seq = SeqKv {
+        keys,
+        values,
+        tokens: positions.len(),
+    };
+    paged_attention_batch(q, positions, &[seq], shape, out);
+}
+
+/// One sequence's share of a batched attention call: its cache and how many consecutive
+/// query rows of the batch are its tokens.
+#[derive(Debug, Clone, Copy)]
+pub struct SeqKv<'a, T> {
+    /// The sequence's keys in this layer.
+    pub keys: KvBlocks<'a, T>,
+    /// The sequence's values in this layer.
+    pub values: KvBlocks<'a, T>,
+    /// Query rows (tokens) the sequence has in the batch.
+    pub tokens: usize,
+}
+
+/// [`paged_attention`] for a whole step at once: the query rows of `seqs` follow each other
+/// in `q` (`[tokens, heads * head_dim]`) and `positions`, and every (token, head) of every
+/// sequence is one task of a single parallel pass, so a decode step of many short
+/// sequences costs one dispatch rather than one per sequence.
+pub fn paged_attention_batch<T: KvElement>(
+    q: &[f32],
+    positions: &[usize],
+    seqs: &[SeqKv<'_, T>],
+    shape: HeadShape,
+    out: &mut [f32],
+) {
     let HeadShape {
         heads,
         kv_heads,
@@ -171,16 +226,28 @@ pub fn paged_attention<T: KvElement>(
     let group = heads / kv_heads;
     let width = kv_heads * d;
     let scale = 1.0 / (d as f32).sqrt();
-    // Small steps (a decode over a short context) cost less than waking another thread.
+    let owner: Vec<usize> = seqs
+        .iter()
+        .enumerate()
+        .flat_map(|(s, seq)| std::iter::repeat_n(s, seq.tokens))
+        .collect();
+    // Tasks of at least ~32k multiply-adds: small steps cost less than waking a thread.
     let work = positions.iter().map(|p| p + 1).sum::<usize>() * heads * d;
-    let per_task = if work < 1 << 16 { out.len() } else { d };
+    let rows = (positions.len() * heads).max(1);
+    let rows_per_task = ((1usize << 15) * rows).div_ceil(work.max(1)).clamp(1, rows);
+    let kernel = T::head_kernel(d);
     let one = |row: usize, o: &mut [f32]| {
         let (i, h) = (row / heads, row % heads);
         let kvh = h / group;
+        let SeqKv { keys, values, .. } = seqs[owner[i]];
         let qr: Vec<f32> = q[row * d..(row + 1) * d]
             .iter()
             .map(|&x| T::round(x))
             .collect();
+        if let Some(kernel) = kernel {
+            kernel(&qr, keys, values, kvh * d, width, positions[i], scale, o);
+            return;
+        }
         let acc = o;
         acc.iter_mut().for_each(|a| *a = 0.0);
         let (mut k32, mut v32, mut scratch) = (vec![0f32; d], vec![0f32; d], vec![T::default(); d]);
@@ -207,13 +274,130 @@ pub fn paged_attention<T: KvElement>(
         let inv = if sum == 0.0 { 0.0 } else { 1.0 / sum };
         acc.iter_mut().for_each(|a| *a *= inv);
     };
-    out.par_chunks_mut(per_task)
+    out.par_chunks_mut(rows_per_task * d)
         .enumerate()
         .for_each(|(t, chunk)| {
             for (j, o) in chunk.chunks_mut(d).enumerate() {
-                one(t * (per_task / d) + j, o);
+                one(t * rows_per_task + j, o);
             }
         });
+}
+
+/// The f16-cache head kernel with AVX-512: the query, the V accumulator and each key and
+/// value row live in `N` 16-lane registers (`head_dim = 16 N`), converted with the F16C
+/// instructions straight from the cache. Every operation is the portable loop's — the same
+/// q·k lanes and reduction tree as [`dot`], the same scalar online softmax, fused
+/// multiply-adds and f16 rounding of the accumulator — so results are bit for bit equal.
+#[cfg(target_arch = "x86_64")]
+#[allow(unsafe_code)]
+mod avx512 {
+    use std::arch::x86_64::*;
+
+    use half::f16;
+
+    use super::KvBlocks;
+
+    /// `_mm512_reduce_add_ps` as GCC expands it (see `reduce16`).
+    #[inline]
+    #[target_feature(enable = "avx512f")]
+    fn reduce16(a: __m512) -> f32 {
+        let t = _mm256_add_ps(
+            _mm512_castps512_ps256(a),
+            _mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(_mm512_castps_pd(a))),
+        );
+        let u = _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps::<1>(t));
+        let v = _mm_add_ps(u, _mm_movehl_ps(u, u));
+        _mm_cvtss_f32(_mm_add_ss(v, _mm_shuffle_ps::<1>(v, v)))
+    }
+
+    /// Sixteen f16 widened to f32.
+    #[inline]
+    #[target_feature(enable = "avx512f")]
+    fn load16(row: &[f16], at: usize) -> __m512 {
+        assert!(at + 16 <= row.len());
+        // SAFETY: the assertion keeps the 32 bytes read inside `row`; loadu is unaligned.
+        _mm512_cvtph_ps(unsafe { _mm256_loadu_si256(row.as_ptr().add(at).cast()) })
+    }
+
+    /// Rounds sixteen f32 to f16 and back (round to nearest even).
+    #[inline]
+    #[target_feature(enable = "avx512f")]
+    fn round16(x: __m512) -> __m512 {
+        _mm512_cvtph_ps(_mm512_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(x))
+    }
+
+    #[target_feature(enable = "avx512f")]
+    #[allow(clippy::too_many_arguments)]
+    fn head_avx512<const N: usize>(
+        qr: &[f32],
+        keys: KvBlocks<'_, f16>,
+        values: KvBlocks<'_, f16>,
+        offset: usize,
+        width: usize,
+        last: usize,
+        scale: f32,
+        out: &mut [f32],
+    ) {
+        let d = 16 * N;
+        assert!(qr.len() == d && out.len() == d);
+        // SAFETY: `qr` holds exactly `16 N` f32 (asserted); loadu is unaligned.
+        let q: [__m512; N] =
+            std::array::from_fn(|j| unsafe { _mm512_loadu_ps(qr.as_ptr().add(16 * j)) });
+        let mut acc = [_mm512_setzero_ps(); N];
+        let (mut max, mut sum) = (f32::NEG_INFINITY, 0f32);
+        for pos in 0..=last {
+            let k = &keys.row(pos, width)[offset..offset + d];
+            // ggml's f16 dot: four 16-lane chains over each 64 values, folded (0+2)+(1+3).
+            let mut lanes = [_mm512_setzero_ps(); 4];
+            for j in 0..N {
+                lanes[j % 4] = _mm512_fmadd_ps(q[j], load16(k, 16 * j), lanes[j % 4]);
+            }
+            let z = _mm512_add_ps(
+                _mm512_add_ps(lanes[0], lanes[2]),
+                _mm512_add_ps(lanes[1], lanes[3]),
+            );
+            let s = reduce16(z) * scale;
+            let (mut ms, mut vs) = (1f32, 1f32);
+            if s > max {
+                ms = (max - s).exp();
+                max = s;
+                let m = _mm512_set1_ps(ms);
+                for a in &mut acc {
+                    *a = round16(_mm512_mul_ps(*a, m));
+                }
+            } else {
+                vs = (s - max).exp();
+            }
+            let v = &values.row(pos, width)[offset..offset + d];
+            let w = _mm512_set1_ps(vs);
+            for (j, a) in acc.iter_mut().enumerate() {
+                *a = round16(_mm512_fmadd_ps(load16(v, 16 * j), w, *a));
+            }
+            sum = sum.mul_add(ms, vs);
+        }
+        let inv = _mm512_set1_ps(if sum == 0.0 { 0.0 } else { 1.0 / sum });
+        for (j, a) in acc.iter().enumerate() {
+            // SAFETY: `out` holds exactly `16 N` f32 (asserted); storeu is unaligned.
+            unsafe { _mm512_storeu_ps(out.as_mut_ptr().add(16 * j), _mm512_mul_ps(*a, inv)) };
+        }
+    }
+
+    /// One (query, head) of `16 N` values; see [`super::HeadKernel`].
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn head<const N: usize>(
+        qr: &[f32],
+        keys: KvBlocks<'_, f16>,
+        values: KvBlocks<'_, f16>,
+        offset: usize,
+        width: usize,
+        last: usize,
+        scale: f32,
+        out: &mut [f32],
+    ) {
+        // SAFETY: chosen by `head_kernel` only after `is_x86_feature_detected!` found
+        // avx512f (which brings the 512-bit f16 conversions).
+        unsafe { head_avx512::<N>(qr, keys, values, offset, width, last, scale, out) }
+    }
 }
 
 /// q · k as ggml's AVX-512 `ggml_vec_dot_f16` sums it: 64 values at a time in four

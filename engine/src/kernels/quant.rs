@@ -155,29 +155,32 @@ impl QuantMatrix {
         let mut t = vec![0f32; self.rows * m];
         t.par_chunks_mut(ROWS_PER_TASK * m)
             .enumerate()
-            .for_each_init(Unpacked::default, |unpacked, (task, dst)| {
-                let first = task * ROWS_PER_TASK;
-                let n = dst.len() / m;
-                let quads = n / 4 * 4;
-                for r in (0..quads).step_by(4) {
-                    unpacked.fill(
-                        self.format,
-                        [0, 1, 2, 3].map(|j| self.weight_row(first + r + j)),
-                    );
-                    for (i, a) in acts.iter().enumerate() {
-                        let v = tile(unpacked, a);
-                        for (j, v) in v.into_iter().enumerate() {
-                            dst[(r + j) * m + i] = v;
+            .for_each_init(
+                || (Unpacked::default(), vec![[0f32; 4]; m]),
+                |(unpacked, tiles), (task, dst)| {
+                    let first = task * ROWS_PER_TASK;
+                    let n = dst.len() / m;
+                    let quads = n / 4 * 4;
+                    for r in (0..quads).step_by(4) {
+                        unpacked.fill(
+                            self.format,
+                            [0, 1, 2, 3].map(|j| self.weight_row(first + r + j)),
+                        );
+                        tile(unpacked, &acts, tiles);
+                        for (i, v) in tiles.iter().enumerate() {
+                            for (j, &v) in v.iter().enumerate() {
+                                dst[(r + j) * m + i] = v;
+                            }
                         }
                     }
-                }
-                for r in quads..n {
-                    let w = self.weight_row(first + r);
-                    for (i, a) in acts.iter().enumerate() {
-                        dst[r * m + i] = dot(w, a);
+                    for r in quads..n {
+                        let w = self.weight_row(first + r);
+                        for (i, a) in acts.iter().enumerate() {
+                            dst[r * m + i] = dot(w, a);
+                        }
                     }
-                }
-            });
+                },
+            );
         let mut out = vec![0f32; m * self.rows];
         for (r, col) in t.chunks_exact(m).enumerate() {
             for (i, &v) in col.iter().enumerate() {
@@ -200,11 +203,13 @@ impl QuantMatrix {
                     .map(|i| quantize_row(&x[i * self.cols..(i + 1) * self.cols], with_sums))
                     .collect();
                 let quads = self.rows / 4 * 4;
+                let mut tiles = vec![[0f32; 4]; acts.len()];
                 for r in (0..quads).step_by(4) {
                     unpacked.fill(self.format, [0, 1, 2, 3].map(|j| self.weight_row(r + j)));
-                    for (i, a) in acts.iter().enumerate() {
+                    tile(unpacked, &acts, &mut tiles);
+                    for (i, v) in tiles.iter().enumerate() {
                         let at = i * self.rows + r;
-                        dst[at..at + 4].copy_from_slice(&tile(unpacked, a));
+                        dst[at..at + 4].copy_from_slice(v);
                     }
                 }
                 for r in quads..self.rows {
@@ -231,42 +236,38 @@ pub struct Unpacked {
 }
 
 impl Unpacked {
-    /// The scales of rows `2p` and `2p + 1` of block `i`, each repeated over eight lanes.
-    #[cfg(target_arch = "x86_64")]
-    fn pair_scales(&self, i: usize, p: usize) -> [f32; 16] {
-        let (a, b) = (self.d[i * 4 + 2 * p], self.d[i * 4 + 2 * p + 1]);
-        std::array::from_fn(|l| if l < 8 { a } else { b })
-    }
-}
-
-impl Unpacked {
     /// Unpacks four weight rows into this buffer, reusing its memory.
     fn fill(&mut self, format: WeightFormat, rows: [&[u8]; 4]) {
         let stride = format.block_bytes();
         let nb = rows[0].len() / stride;
         self.signed = format != WeightFormat::Q4_1;
-        self.q.clear();
-        self.d.clear();
-        self.m.clear();
-        self.q.reserve(nb * 4);
-        self.d.reserve(nb * 4);
-        self.m.reserve(nb * 4);
-        for i in 0..nb {
-            for row in rows {
-                let b = &row[i * stride..(i + 1) * stride];
-                self.d.push(f16_at(b, 0));
-                match format {
-                    WeightFormat::Q4_1 => {
-                        self.m.push(f16_at(b, 2));
-                        self.q.push(nibbles(&b[4..], 0));
+        self.q.resize(nb * 4, [0; BLOCK]);
+        self.d.resize(nb * 4, 0.0);
+        self.m.resize(nb * 4, 0.0);
+        for (r, row) in rows.into_iter().enumerate() {
+            let blocks = row.chunks_exact(stride).enumerate();
+            match format {
+                WeightFormat::Q4_1 => {
+                    for (i, b) in blocks {
+                        self.d[i * 4 + r] = f16_at(b, 0);
+                        self.m[i * 4 + r] = f16_at(b, 2);
+                        unpack_nibbles(&b[4..20], 0, &mut self.q[i * 4 + r]);
                     }
-                    WeightFormat::Q4_0 => {
-                        self.m.push(0.0);
-                        self.q.push(nibbles(&b[2..], 8));
+                }
+                WeightFormat::Q4_0 => {
+                    for (i, b) in blocks {
+                        self.d[i * 4 + r] = f16_at(b, 0);
+                        self.m[i * 4 + r] = 0.0;
+                        unpack_nibbles(&b[2..18], 8, &mut self.q[i * 4 + r]);
                     }
-                    WeightFormat::Q8_0 => {
-                        self.m.push(0.0);
-                        self.q.push(std::array::from_fn(|j| b[2 + j] as i8));
+                }
+                WeightFormat::Q8_0 => {
+                    for (i, b) in blocks {
+                        self.d[i * 4 + r] = f16_at(b, 0);
+                        self.m[i * 4 + r] = 0.0;
+                        for (dst, &src) in self.q[i * 4 + r].iter_mut().zip(&b[2..34]) {
+                            *dst = src as i8;
+                        }
                     }
                 }
             }
@@ -274,9 +275,21 @@ impl Unpacked {
     }
 }
 
-/// Four unpacked weight rows against one activation row; the arithmetic of each output is
-/// exactly that of [`dot_kernel`] for its row.
-type Tile = fn(&Unpacked, &QuantizedRow) -> [f32; 4];
+/// The 32 values of a 4-bit block (16 bytes: low nibbles are values 0..16, high nibbles
+/// 16..32) minus `offset`, written into `dst` (a shape the compiler turns into a few vector
+/// instructions).
+#[inline(always)]
+fn unpack_nibbles(qs: &[u8], offset: i8, dst: &mut [i8; BLOCK]) {
+    let (lo, hi) = dst.split_at_mut(BLOCK / 2);
+    for ((l, h), &b) in lo.iter_mut().zip(hi.iter_mut()).zip(&qs[..BLOCK / 2]) {
+        *l = (b & 0x0F) as i8 - offset;
+        *h = (b >> 4) as i8 - offset;
+    }
+}
+
+/// Four unpacked weight rows against each of a run of activation rows (`out[i]` for
+/// `acts[i]`); the arithmetic of each output is exactly that of [`dot_kernel`] for its row.
+type Tile = fn(&Unpacked, &[QuantizedRow], &mut [[f32; 4]]);
 
 fn tile_kernel() -> Tile {
     #[cfg(target_arch = "x86_64")]
@@ -292,7 +305,13 @@ fn tile_kernel() -> Tile {
     tile_portable
 }
 
-fn tile_portable(u: &Unpacked, a: &QuantizedRow) -> [f32; 4] {
+fn tile_portable(u: &Unpacked, acts: &[QuantizedRow], out: &mut [[f32; 4]]) {
+    for (a, out) in acts.iter().zip(out) {
+        *out = tile_portable_row(u, a);
+    }
+}
+
+fn tile_portable_row(u: &Unpacked, a: &QuantizedRow) -> [f32; 4] {
     let mut acc = [[0f32; 8]; 4];
     let mut summs = [0f32; 4];
     for i in 0..a.d.len() {
@@ -634,61 +653,103 @@ mod x86 {
         [0, 1, 2, 3].map(|r| hsum8(lanes(acc[r])) + if u.signed { 0.0 } else { summs[r] })
     }
 
-    /// Two weight rows per 512-bit register: lanes 0..8 belong to the first row, 8..16 to
-    /// the second, each with exactly the integer lanes and fused multiply-adds of the
-    /// 256-bit kernel.
+    /// Four unpacked weight rows against `R` activation rows. Two weight rows share a
+    /// 512-bit register (lanes 0..8 the first, 8..16 the second), each with exactly the
+    /// integer lanes and fused multiply-adds of the 256-bit kernel; the weight blocks and
+    /// their scales are loaded once per block for all `R` activation rows, and the `R × 2`
+    /// accumulator chains are independent, so the loop is bound by throughput, not latency.
+    /// The `m · s` terms of the four rows advance together in one 128-bit fused multiply-add.
     #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma")]
-    fn tile_avx512(u: &super::Unpacked, a: &QuantizedRow) -> [f32; 4] {
-        let mut acc = [_mm512_setzero_ps(); 2];
-        let mut summs = [0f32; 4];
-        for i in 0..a.d.len() {
-            let qy = _mm512_broadcast_i64x4(activation(a, i));
-            let ad = _mm512_set1_ps(a.d[i]);
-            for (p, acc) in acc.iter_mut().enumerate() {
-                let k = i * 4 + 2 * p;
-                let pair = &u.q[k..k + 2];
-                // SAFETY: the two unpacked blocks are 64 contiguous bytes; loadu is unaligned.
-                let qx = unsafe { _mm512_loadu_si512(pair.as_ptr().cast()) };
-                let prod = if u.signed {
-                    // |x| times sign(x)·y (there is no 512-bit sign instruction).
-                    let neg = _mm512_movepi8_mask(qx);
-                    let sy = _mm512_mask_sub_epi8(qy, neg, _mm512_setzero_si512(), qy);
-                    _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_abs_epi8(qx), sy)
-                } else {
-                    summs[2 * p] = u.m[k].mul_add(a.s[i], summs[2 * p]);
-                    summs[2 * p + 1] = u.m[k + 1].mul_add(a.s[i], summs[2 * p + 1]);
-                    _mm512_dpbusd_epi32(_mm512_setzero_si512(), qx, qy)
+    fn tile_avx512<const R: usize>(u: &super::Unpacked, a: &[QuantizedRow], out: &mut [[f32; 4]]) {
+        assert!(a.len() == R && out.len() == R);
+        let nb = a[0].d.len();
+        assert!(u.q.len() >= nb * 4 && u.d.len() >= nb * 4 && u.m.len() >= nb * 4);
+        assert!(a.iter().all(|a| a.d.len() == nb && a.q.len() == nb * BLOCK));
+        assert!(u.signed || a.iter().all(|a| a.s.len() == nb));
+        let first_pair = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
+        let second_pair = _mm512_set_epi32(3, 3, 3, 3, 3, 3, 3, 3, 2, 2, 2, 2, 2, 2, 2, 2);
+        let mut acc = [[_mm512_setzero_ps(); 2]; R];
+        let mut summs = [_mm_setzero_ps(); R];
+        for i in 0..nb {
+            // SAFETY: the assertions above make blocks `4i..4i+4` of `q`, `d` and `m`
+            // readable: 128 contiguous bytes and four f32 each; loads are unaligned.
+            let (qx, d4, m4) = unsafe {
+                let q = u.q.as_ptr().add(i * 4).cast::<i8>();
+                (
+                    [
+                        _mm512_loadu_si512(q.cast()),
+                        _mm512_loadu_si512(q.add(64).cast()),
+                    ],
+                    _mm512_castps128_ps512(_mm_loadu_ps(u.d.as_ptr().add(i * 4))),
+                    _mm_loadu_ps(u.m.as_ptr().add(i * 4)),
+                )
+            };
+            let scales = [
+                _mm512_permutexvar_ps(first_pair, d4),
+                _mm512_permutexvar_ps(second_pair, d4),
+            ];
+            // Signed weights: |x| times sign(x)·y (there is no 512-bit sign instruction).
+            let negative = [_mm512_movepi8_mask(qx[0]), _mm512_movepi8_mask(qx[1])];
+            let magnitude = [_mm512_abs_epi8(qx[0]), _mm512_abs_epi8(qx[1])];
+            for r in 0..R {
+                // SAFETY: block `i` of row `r` is 32 bytes inside `q` (asserted above).
+                let qy = unsafe {
+                    _mm512_broadcast_i64x4(_mm256_loadu_si256(
+                        a[r].q.as_ptr().add(i * BLOCK).cast(),
+                    ))
                 };
-                let scales = u.pair_scales(i, p);
-                // SAFETY: `scales` holds exactly sixteen f32.
-                let d = _mm512_mul_ps(unsafe { _mm512_loadu_ps(scales.as_ptr()) }, ad);
-                *acc = _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(prod), *acc);
+                let ad = _mm512_set1_ps(a[r].d[i]);
+                for p in 0..2 {
+                    let prod = if u.signed {
+                        let sy = _mm512_mask_sub_epi8(qy, negative[p], _mm512_setzero_si512(), qy);
+                        _mm512_dpbusd_epi32(_mm512_setzero_si512(), magnitude[p], sy)
+                    } else {
+                        _mm512_dpbusd_epi32(_mm512_setzero_si512(), qx[p], qy)
+                    };
+                    let d = _mm512_mul_ps(scales[p], ad);
+                    acc[r][p] = _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(prod), acc[r][p]);
+                }
+                if !u.signed {
+                    summs[r] = _mm_fmadd_ps(m4, _mm_set1_ps(a[r].s[i]), summs[r]);
+                }
             }
         }
-        let mut out = [0f32; 4];
-        for (p, acc) in acc.iter().enumerate() {
-            let mut all = [0f32; 16];
-            // SAFETY: `all` holds exactly sixteen f32.
-            unsafe { _mm512_storeu_ps(all.as_mut_ptr(), *acc) };
-            for half in 0..2 {
-                let mut l = [0f32; 8];
-                l.copy_from_slice(&all[half * 8..half * 8 + 8]);
-                let r = 2 * p + half;
-                out[r] = hsum8(l) + if u.signed { 0.0 } else { summs[r] };
+        for r in 0..R {
+            let mut m = [0f32; 4];
+            // SAFETY: `m` holds exactly four f32.
+            unsafe { _mm_storeu_ps(m.as_mut_ptr(), summs[r]) };
+            for (p, pair) in acc[r].iter().enumerate() {
+                let mut all = [0f32; 16];
+                // SAFETY: `all` holds exactly sixteen f32.
+                unsafe { _mm512_storeu_ps(all.as_mut_ptr(), *pair) };
+                for half in 0..2 {
+                    let mut l = [0f32; 8];
+                    l.copy_from_slice(&all[half * 8..half * 8 + 8]);
+                    let row = 2 * p + half;
+                    out[r][row] = hsum8(l) + if u.signed { 0.0 } else { m[row] };
+                }
             }
         }
-        out
     }
 
-    pub(super) fn tile512(u: &super::Unpacked, a: &QuantizedRow) -> [f32; 4] {
-        // SAFETY: chosen only after `is_x86_feature_detected!` found avx512f, avx512bw and
-        // avx512vnni (which imply avx2 and fma).
-        unsafe { tile_avx512(u, a) }
+    pub(super) fn tile512(u: &super::Unpacked, a: &[QuantizedRow], out: &mut [[f32; 4]]) {
+        let fours = a.len() / 4 * 4;
+        for (a, out) in a[..fours].chunks_exact(4).zip(out.chunks_exact_mut(4)) {
+            // SAFETY: chosen only after `is_x86_feature_detected!` found avx512f, avx512bw
+            // and avx512vnni (which imply avx2 and fma).
+            unsafe { tile_avx512::<4>(u, a, out) };
+        }
+        for (a, out) in a[fours..].chunks(1).zip(out[fours..].chunks_mut(1)) {
+            // SAFETY: as above.
+            unsafe { tile_avx512::<1>(u, a, out) };
+        }
     }
 
-    pub(super) fn tile(u: &super::Unpacked, a: &QuantizedRow) -> [f32; 4] {
-        // SAFETY: chosen only after `is_x86_feature_detected!` found avx2 and fma.
-        unsafe { tile_avx2(u, a) }
+    pub(super) fn tile(u: &super::Unpacked, a: &[QuantizedRow], out: &mut [[f32; 4]]) {
+        for (a, out) in a.iter().zip(out) {
+            // SAFETY: chosen only after `is_x86_feature_detected!` found avx2 and fma.
+            *out = unsafe { tile_avx2(u, a) };
+        }
     }
 
     pub(super) fn dot4_q4_1(w: [&[u8]; 4], a: &QuantizedRow) -> [f32; 4] {
@@ -862,15 +923,24 @@ mod tests {
             );
             let mut u = Unpacked::default();
             u.fill(fmt, [&w, &w, &w, &w]);
-            let mut tiles = vec![tile_kernel()(&u, &a), tile_portable(&u, &a)];
-            #[cfg(target_arch = "x86_64")]
-            if std::arch::is_x86_feature_detected!("avx2")
-                && std::arch::is_x86_feature_detected!("fma")
-            {
-                tiles.push(x86::tile(&u, &a));
-            }
-            for t in tiles {
-                assert!(t.iter().all(|&v| bits(v) == bits(portable)), "{fmt:?} tile");
+            // Runs of 1, 4 and 6 activation rows (the wide kernel's groups and remainder).
+            for n in [1, 4, 6] {
+                let acts = vec![a.clone(); n];
+                let mut kernels: Vec<Tile> = vec![tile_kernel(), tile_portable];
+                #[cfg(target_arch = "x86_64")]
+                if std::arch::is_x86_feature_detected!("avx2")
+                    && std::arch::is_x86_feature_detected!("fma")
+                {
+                    kernels.push(x86::tile);
+                }
+                for kernel in kernels {
+                    let mut out = vec![[0f32; 4]; n];
+                    kernel(&u, &acts, &mut out);
+                    assert!(
+                        out.iter().flatten().all(|&v| bits(v) == bits(portable)),
+                        "{fmt:?} tile of {n}"
+                    );
+                }
             }
         }
     }

@@ -7,8 +7,8 @@ use candle_core::Tensor;
 
 use super::block_pool::BlockId;
 use crate::error::{Error, Result};
-use crate::kernels::attention::{paged_attention, HeadShape, KvBlocks, KvElement};
-use crate::model::llama::{to_f32_vec, KvCache, KvDtype, Llama, SeqSlice};
+use crate::kernels::attention::{paged_attention_batch, HeadShape, KvBlocks, KvElement, SeqKv};
+use crate::model::llama::{to_f32_vec, Batch, KvCache, KvDtype, Llama, SeqSlice};
 
 /// A paged cache whose block tables are set for each step; `SeqSlice::cache_slot` indexes
 /// the tables.
@@ -115,17 +115,17 @@ impl<T: KvElement> PagedCache for PagedKv<T> {
     }
 }
 
-impl<T: KvElement> KvCache for PagedKv<T> {
-    fn attend(
+impl<T: KvElement> PagedKv<T> {
+    /// Writes the new keys and values (`[len, width]` rows, f32) of `seq` at `positions`
+    /// through its block table; returns how many of its blocks attention must read.
+    fn store(
         &mut self,
         layer: usize,
         seq: &SeqSlice,
         positions: &[usize],
-        q: &Tensor,
-        k: &Tensor,
-        v: &Tensor,
-    ) -> Result<Tensor> {
-        let (len, heads, head_dim) = q.dims3()?;
+        kd: &[f32],
+        vd: &[f32],
+    ) -> Result<usize> {
         let (bs, width) = (self.block_size, self.width);
         let table = self
             .tables
@@ -145,7 +145,6 @@ impl<T: KvElement> KvCache for PagedKv<T> {
             ck.resize(highest * bs * width, T::default());
             cv.resize(highest * bs * width, T::default());
         }
-        let (kd, vd) = (to_f32_vec(k)?, to_f32_vec(v)?);
         for (i, &pos) in positions.iter().enumerate() {
             let slot = table[pos / bs] as usize * bs + pos % bs;
             for (dst, &x) in ck[slot * width..(slot + 1) * width]
@@ -161,22 +160,51 @@ impl<T: KvElement> KvCache for PagedKv<T> {
                 *dst = T::from_f32(x);
             }
         }
-        let used = last / bs + 1;
+        Ok(last / bs + 1)
+    }
+
+    /// Attention of `q` (`[tokens, heads, head_dim]`) for the sequences `seqs` (each with
+    /// the number of its blocks to read), whose rows follow each other in `q`.
+    fn attention(
+        &self,
+        layer: usize,
+        seqs: &[(&SeqSlice, usize)],
+        positions: &[usize],
+        q: &Tensor,
+    ) -> Result<Tensor> {
+        let (len, heads, head_dim) = q.dims3()?;
+        let (bs, width) = (self.block_size, self.width);
+        let (ck, cv) = &self.layers[layer];
         let span = |id: BlockId| id as usize * bs * width..(id as usize + 1) * bs * width;
-        let kb: Vec<&[T]> = table[..used].iter().map(|&id| &ck[span(id)]).collect();
-        let vb: Vec<&[T]> = table[..used].iter().map(|&id| &cv[span(id)]).collect();
+        type Lists<'b, T> = Vec<(Vec<&'b [T]>, Vec<&'b [T]>, usize)>;
+        let mut lists: Lists<'_, T> = Vec::with_capacity(seqs.len());
+        for &(seq, used) in seqs {
+            let table = &self.tables[seq.cache_slot][..used];
+            lists.push((
+                table.iter().map(|&id| &ck[span(id)]).collect(),
+                table.iter().map(|&id| &cv[span(id)]).collect(),
+                seq.len,
+            ));
+        }
+        let kv: Vec<SeqKv<'_, T>> = lists
+            .iter()
+            .map(|(kb, vb, tokens)| SeqKv {
+                keys: KvBlocks {
+                    blocks: kb,
+                    block_size: bs,
+                },
+                values: KvBlocks {
+                    blocks: vb,
+                    block_size: bs,
+                },
+                tokens: *tokens,
+            })
+            .collect();
         let mut out = vec![0f32; len * heads * head_dim];
-        paged_attention(
+        paged_attention_batch(
             &to_f32_vec(q)?,
             positions,
-            KvBlocks {
-                blocks: &kb,
-                block_size: bs,
-            },
-            KvBlocks {
-                blocks: &vb,
-                block_size: bs,
-            },
+            &kv,
             HeadShape {
                 heads,
                 kv_heads: width / head_dim,
@@ -185,5 +213,44 @@ impl<T: KvElement> KvCache for PagedKv<T> {
             &mut out,
         );
         Ok(Tensor::from_vec(out, (len, heads * head_dim), q.device())?)
+    }
+}
+
+impl<T: KvElement> KvCache for PagedKv<T> {
+    fn attend(
+        &mut self,
+        layer: usize,
+        seq: &SeqSlice,
+        positions: &[usize],
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+    ) -> Result<Tensor> {
+        let used = self.store(layer, seq, positions, &to_f32_vec(k)?, &to_f32_vec(v)?)?;
+        let seq = SeqSlice {
+            len: positions.len(),
+            ..*seq
+        };
+        self.attention(layer, &[(&seq, used)], positions, q)
+    }
+
+    fn attend_batch(
+        &mut self,
+        layer: usize,
+        batch: &Batch<'_>,
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+    ) -> Result<Tensor> {
+        let width = self.width;
+        let (kd, vd) = (to_f32_vec(k)?, to_f32_vec(v)?);
+        let mut used = Vec::with_capacity(batch.seqs.len());
+        for s in batch.seqs {
+            let rows = s.start * width..(s.start + s.len) * width;
+            let positions = &batch.positions[s.start..s.start + s.len];
+            used.push(self.store(layer, s, positions, &kd[rows.clone()], &vd[rows])?);
+        }
+        let seqs: Vec<(&SeqSlice, usize)> = batch.seqs.iter().zip(used).collect();
+        self.attention(layer, &seqs, batch.positions, q)
     }
 }

@@ -46,6 +46,36 @@ pub trait KvCache {
         k: &Tensor,
         v: &Tensor,
     ) -> Result<Tensor>;
+
+    /// [`KvCache::attend`] for every sequence of `batch` at once (`q`, `k`, `v` hold all
+    /// the batch's tokens); returns `[tokens, heads * head_dim]`. Caches that can serve the
+    /// whole step in one pass override it.
+    fn attend_batch(
+        &mut self,
+        layer: usize,
+        batch: &Batch<'_>,
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+    ) -> Result<Tensor> {
+        let mut outs = Vec::with_capacity(batch.seqs.len());
+        for s in batch.seqs {
+            let positions = &batch.positions[s.start..s.start + s.len];
+            outs.push(self.attend(
+                layer,
+                s,
+                positions,
+                &q.narrow(0, s.start, s.len)?,
+                &k.narrow(0, s.start, s.len)?,
+                &v.narrow(0, s.start, s.len)?,
+            )?);
+        }
+        Ok(if outs.len() == 1 {
+            outs.remove(0)
+        } else {
+            Tensor::cat(&outs, 0)?
+        })
+    }
 }
 
 /// A projection, optionally with a bias (Qwen2's Q/K/V).
@@ -240,23 +270,7 @@ impl Llama {
             let q = self.rope(&b.q.forward(&y)?, batch.positions, c.num_heads)?;
             let k = self.rope(&b.k.forward(&y)?, batch.positions, c.num_kv_heads)?;
             let v = b.v.forward(&y)?.reshape((n, c.num_kv_heads, c.head_dim))?;
-            let mut outs = Vec::with_capacity(batch.seqs.len());
-            for s in batch.seqs {
-                let positions = &batch.positions[s.start..s.start + s.len];
-                outs.push(cache.attend(
-                    layer,
-                    s,
-                    positions,
-                    &q.narrow(0, s.start, s.len)?,
-                    &k.narrow(0, s.start, s.len)?,
-                    &v.narrow(0, s.start, s.len)?,
-                )?);
-            }
-            let attn = if outs.len() == 1 {
-                outs.remove(0)
-            } else {
-                Tensor::cat(&outs, 0)?
-            };
+            let attn = cache.attend_batch(layer, batch, &q, &k, &v)?;
             x = (x + b.o.forward(&attn)?)?;
             let y = rms_norm(&x, &b.ffn_norm, c.rms_norm_eps as f32)?;
             let mut act = to_f32_vec(&b.gate.forward(&y)?)?;

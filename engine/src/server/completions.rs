@@ -201,13 +201,13 @@ fn logprobs_json(ready: &Ready, kind: Kind, tokens: &[TokenOutput], offset: usiz
             })
         }
         Kind::Chat => {
-            let entry = |id: u32, lp: f32| {
+            let entry = |id: u32, lp: Option<f32>| {
                 let t = text(id);
                 json!({"token": t, "logprob": lp, "bytes": t.as_bytes()})
             };
             json!({"content": tokens.iter().map(|t| {
                 let mut e = entry(t.id, t.logprob);
-                e["top_logprobs"] = Value::Array(t.top.iter().map(|&(id, lp)| entry(id, lp)).collect());
+                e["top_logprobs"] = Value::Array(t.top.iter().map(|&(id, lp)| entry(id, Some(lp))).collect());
                 e
             }).collect::<Vec<_>>()})
         }

@@ -276,14 +276,18 @@ impl Unpacked {
 }
 
 /// The 32 values of a 4-bit block (16 bytes: low nibbles are values 0..16, high nibbles
-/// 16..32) minus `offset`, written into `dst` (a shape the compiler turns into a few vector
-/// instructions).
+/// 16..32) minus `offset`, written into `dst`.
 #[inline(always)]
 fn unpack_nibbles(qs: &[u8], offset: i8, dst: &mut [i8; BLOCK]) {
-    let (lo, hi) = dst.split_at_mut(BLOCK / 2);
-    for ((l, h), &b) in lo.iter_mut().zip(hi.iter_mut()).zip(&qs[..BLOCK / 2]) {
-        *l = (b & 0x0F) as i8 - offset;
-        *h = (b >> 4) as i8 - offset;
+    #[cfg(target_arch = "x86_64")]
+    x86::unpack_nibbles(qs, offset, dst);
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        let (lo, hi) = dst.split_at_mut(BLOCK / 2);
+        for ((l, h), &b) in lo.iter_mut().zip(hi.iter_mut()).zip(&qs[..BLOCK / 2]) {
+            *l = (b & 0x0F) as i8 - offset;
+            *h = (b >> 4) as i8 - offset;
+        }
     }
 }
 
@@ -332,6 +336,17 @@ fn tile_portable_row(u: &Unpacked, a: &QuantizedRow) -> [f32; 4] {
 type Dot4 = fn([&[u8]; 4], &QuantizedRow) -> [f32; 4];
 
 fn dot4_kernel(format: WeightFormat) -> Dot4 {
+    #[cfg(target_arch = "x86_64")]
+    {
+        use std::arch::is_x86_feature_detected as has;
+        if has!("avx512f") && has!("avx512bw") && has!("avx512vnni") {
+            return match format {
+                WeightFormat::Q4_1 => x86::dot4_512_q4_1,
+                WeightFormat::Q4_0 => x86::dot4_512_q4_0,
+                WeightFormat::Q8_0 => x86::dot4_512_q8_0,
+            };
+        }
+    }
     #[cfg(target_arch = "x86_64")]
     if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma") {
         return match format {
@@ -382,22 +397,38 @@ pub fn quantize_row(x: &[f32], with_sums: bool) -> QuantizedRow {
         s: Vec::with_capacity(if with_sums { nb } else { 0 }),
         q: vec![0; x.len()],
     };
+    #[cfg(target_arch = "x86_64")]
+    let simd = std::arch::is_x86_feature_detected!("avx2");
     for (block, q) in x.chunks_exact(BLOCK).zip(row.q.chunks_exact_mut(BLOCK)) {
-        let amax = block.iter().fold(0f32, |m, v| m.max(v.abs()));
-        let d = amax / 127.0;
-        let id = if amax != 0.0 { 127.0 / amax } else { 0.0 };
-        let mut sum = 0i32;
-        for (dst, &v) in q.iter_mut().zip(block) {
-            let r = (v * id).round_ties_even() as i32;
-            sum += r;
-            *dst = r as i8;
-        }
+        #[cfg(target_arch = "x86_64")]
+        let (d, sum) = if simd {
+            x86::quantize_block(block, q)
+        } else {
+            quantize_block(block, q)
+        };
+        #[cfg(not(target_arch = "x86_64"))]
+        let (d, sum) = quantize_block(block, q);
         row.d.push(f16::from_f32(d).to_f32());
         if with_sums {
             row.s.push(f16::from_f32(d * sum as f32).to_f32());
         }
     }
     row
+}
+
+/// One block of [`quantize_row`]: writes the 32 bytes and returns the scale (before f16
+/// rounding) and the sum of the bytes.
+fn quantize_block(block: &[f32], q: &mut [i8]) -> (f32, i32) {
+    let amax = block.iter().fold(0f32, |m, v| m.max(v.abs()));
+    let d = amax / 127.0;
+    let id = if amax != 0.0 { 127.0 / amax } else { 0.0 };
+    let mut sum = 0i32;
+    for (dst, &v) in q.iter_mut().zip(block) {
+        let r = (v * id).round_ties_even() as i32;
+        sum += r;
+        *dst = r as i8;
+    }
+    (d, sum)
 }
 
 /// Integer dot product of one block, summed in eight lanes of four values (`vpdpbusd`).
@@ -501,6 +532,70 @@ mod x86 {
     fn lane_sums(qx: __m256i, qy: __m256i) -> __m256 {
         let pairs = _mm256_maddubs_epi16(qx, qy);
         _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_set1_epi16(1), pairs))
+    }
+
+    /// [`super::quantize_block`] with AVX2: the same scale, `127 / amax` products and
+    /// round-half-even conversion (the default rounding mode), so the same bytes.
+    #[inline]
+    pub(super) fn quantize_block(block: &[f32], q: &mut [i8]) -> (f32, i32) {
+        // SAFETY: chosen by `quantize_row` only after `is_x86_feature_detected!` found avx2.
+        unsafe { quantize_block_avx2(block, q) }
+    }
+
+    #[target_feature(enable = "avx2")]
+    fn quantize_block_avx2(block: &[f32], q: &mut [i8]) -> (f32, i32) {
+        assert!(block.len() == BLOCK && q.len() == BLOCK);
+        // SAFETY: `block` holds exactly 32 f32 (asserted): four unaligned 8-lane loads.
+        let v: [__m256; 4] =
+            std::array::from_fn(|j| unsafe { _mm256_loadu_ps(block.as_ptr().add(8 * j)) });
+        let abs = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFF_FFFF));
+        let m = v.map(|x| _mm256_and_ps(x, abs));
+        let m = _mm256_max_ps(_mm256_max_ps(m[0], m[1]), _mm256_max_ps(m[2], m[3]));
+        let m4 = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps::<1>(m));
+        let m2 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+        let amax = _mm_cvtss_f32(_mm_max_ss(m2, _mm_movehdup_ps(m2)));
+        let d = amax / 127.0;
+        let id = _mm256_set1_ps(if amax != 0.0 { 127.0 / amax } else { 0.0 });
+        let i = v.map(|x| _mm256_cvtps_epi32(_mm256_mul_ps(x, id)));
+        let total = _mm256_add_epi32(_mm256_add_epi32(i[0], i[1]), _mm256_add_epi32(i[2], i[3]));
+        let t4 = _mm_add_epi32(
+            _mm256_castsi256_si128(total),
+            _mm256_extracti128_si256::<1>(total),
+        );
+        let t2 = _mm_add_epi32(t4, _mm_unpackhi_epi64(t4, t4));
+        let sum = _mm_cvtsi128_si32(_mm_add_epi32(t2, _mm_shuffle_epi32::<1>(t2)));
+        // Packing interleaves 128-bit lanes; the permutation restores value order.
+        let bytes = _mm256_packs_epi16(
+            _mm256_packs_epi32(i[0], i[1]),
+            _mm256_packs_epi32(i[2], i[3]),
+        );
+        let ordered = _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+        // SAFETY: `q` holds exactly 32 bytes (asserted); storeu is unaligned.
+        unsafe { _mm256_storeu_si256(q.as_mut_ptr().cast(), ordered) };
+        (d, sum)
+    }
+
+    /// The 32 values of a 4-bit block minus `offset` into `dst`, with SSE2 (every x86-64).
+    #[inline(always)]
+    pub(super) fn unpack_nibbles(qs: &[u8], offset: i8, dst: &mut [i8; BLOCK]) {
+        // SAFETY: SSE2 is part of the x86-64 baseline every build of this module targets.
+        unsafe { unpack_nibbles_sse2(qs, offset, dst) }
+    }
+
+    #[inline]
+    #[target_feature(enable = "sse2")]
+    fn unpack_nibbles_sse2(qs: &[u8], offset: i8, dst: &mut [i8; BLOCK]) {
+        assert!(qs.len() >= 16);
+        // SAFETY: the assertion guarantees 16 readable bytes; loadu is unaligned.
+        let raw = unsafe { _mm_loadu_si128(qs.as_ptr().cast()) };
+        let (mask, off) = (_mm_set1_epi8(0x0F), _mm_set1_epi8(offset));
+        let lo = _mm_sub_epi8(_mm_and_si128(raw, mask), off);
+        let hi = _mm_sub_epi8(_mm_and_si128(_mm_srli_epi16(raw, 4), mask), off);
+        // SAFETY: `dst` is 32 bytes: two unaligned 16-byte stores fill it exactly.
+        unsafe {
+            _mm_storeu_si128(dst.as_mut_ptr().cast(), lo);
+            _mm_storeu_si128(dst.as_mut_ptr().add(16).cast(), hi);
+        }
     }
 
     /// The 32 nibbles of a 4-bit block as bytes, low nibbles first.
@@ -732,6 +827,130 @@ mod x86 {
         }
     }
 
+    /// Four GGUF weight rows against one activation row, two rows per 512-bit register as
+    /// in [`tile_avx512`], unpacking each block straight from the GGUF bytes: the lanes,
+    /// scales and fused multiply-adds of every output are exactly the 256-bit kernel's.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
+    fn dot4_avx512(w: [&[u8]; 4], a: &QuantizedRow, format: super::WeightFormat) -> [f32; 4] {
+        use super::WeightFormat;
+        let stride = format.block_bytes();
+        let nb = a.d.len();
+        assert!(w.iter().all(|r| r.len() == nb * stride) && a.q.len() == nb * BLOCK);
+        let unsigned = format == WeightFormat::Q4_1;
+        assert!(!unsigned || a.s.len() == nb);
+        // [d0 m0 d1 m1 d2 m2 d3 m3] -> [d0 x8, d1 x8] and [d2 x8, d3 x8]; m as four lanes.
+        let pair01 = _mm512_set_epi32(2, 2, 2, 2, 2, 2, 2, 2, 0, 0, 0, 0, 0, 0, 0, 0);
+        let pair23 = _mm512_set_epi32(6, 6, 6, 6, 6, 6, 6, 6, 4, 4, 4, 4, 4, 4, 4, 4);
+        let mins = _mm256_setr_epi32(1, 3, 5, 7, 0, 0, 0, 0);
+        // [r0 qs, r1 qs, r0 qs >> 4, r1 qs >> 4] -> [r0 lo, r0 hi, r1 lo, r1 hi].
+        let halves = _mm512_setr_epi64(0, 1, 4, 5, 2, 3, 6, 7);
+        let low = _mm512_set1_epi8(0x0F);
+        let eight = _mm512_set1_epi8(8);
+        let mut acc = [_mm512_setzero_ps(); 2];
+        let mut summs = _mm_setzero_ps();
+        for i in 0..nb {
+            let at = i * stride;
+            // SAFETY: every row holds `nb` blocks of `stride` bytes (asserted), so each read
+            // below stays inside block `i` of its row; all loads are unaligned.
+            let (qx, heads) = unsafe {
+                let head = |r: usize| (w[r].as_ptr().add(at) as *const u32).read_unaligned();
+                let heads = _mm_setr_epi32(
+                    head(0) as i32,
+                    head(1) as i32,
+                    head(2) as i32,
+                    head(3) as i32,
+                );
+                let qx = match format {
+                    WeightFormat::Q8_0 => [0, 2].map(|r| {
+                        let lo = _mm256_loadu_si256(w[r].as_ptr().add(at + 2).cast());
+                        let hi = _mm256_loadu_si256(w[r + 1].as_ptr().add(at + 2).cast());
+                        _mm512_inserti64x4::<1>(_mm512_castsi256_si512(lo), hi)
+                    }),
+                    _ => {
+                        let off = if unsigned { 4 } else { 2 };
+                        [0, 2].map(|r| {
+                            let a = _mm_loadu_si128(w[r].as_ptr().add(at + off).cast());
+                            let b = _mm_loadu_si128(w[r + 1].as_ptr().add(at + off).cast());
+                            let y = _mm256_inserti128_si256::<1>(_mm256_castsi128_si256(a), b);
+                            let z = _mm512_inserti64x4::<1>(
+                                _mm512_castsi256_si512(y),
+                                _mm256_srli_epi16::<4>(y),
+                            );
+                            let z = _mm512_and_si512(z, low);
+                            let z = _mm512_permutexvar_epi64(halves, z);
+                            if unsigned {
+                                z
+                            } else {
+                                _mm512_sub_epi8(z, eight)
+                            }
+                        })
+                    }
+                };
+                (qx, heads)
+            };
+            let dm = _mm512_castps256_ps512(_mm256_cvtph_ps(heads));
+            let scales = [
+                _mm512_permutexvar_ps(pair01, dm),
+                _mm512_permutexvar_ps(pair23, dm),
+            ];
+            // SAFETY: block `i` of the activation is 32 bytes inside `q` (asserted).
+            let qy = unsafe {
+                _mm512_broadcast_i64x4(_mm256_loadu_si256(a.q.as_ptr().add(i * BLOCK).cast()))
+            };
+            let ad = _mm512_set1_ps(a.d[i]);
+            for p in 0..2 {
+                let prod = if unsigned {
+                    _mm512_dpbusd_epi32(_mm512_setzero_si512(), qx[p], qy)
+                } else {
+                    let neg = _mm512_movepi8_mask(qx[p]);
+                    let sy = _mm512_mask_sub_epi8(qy, neg, _mm512_setzero_si512(), qy);
+                    _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_abs_epi8(qx[p]), sy)
+                };
+                let d = _mm512_mul_ps(scales[p], ad);
+                acc[p] = _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(prod), acc[p]);
+            }
+            if unsigned {
+                let m4 = _mm256_castps256_ps128(_mm256_permutevar8x32_ps(
+                    _mm512_castps512_ps256(dm),
+                    mins,
+                ));
+                summs = _mm_fmadd_ps(m4, _mm_set1_ps(a.s[i]), summs);
+            }
+        }
+        let mut m = [0f32; 4];
+        // SAFETY: `m` holds exactly four f32.
+        unsafe { _mm_storeu_ps(m.as_mut_ptr(), summs) };
+        let mut out = [0f32; 4];
+        for (p, pair) in acc.iter().enumerate() {
+            let mut all = [0f32; 16];
+            // SAFETY: `all` holds exactly sixteen f32.
+            unsafe { _mm512_storeu_ps(all.as_mut_ptr(), *pair) };
+            for half in 0..2 {
+                let mut l = [0f32; 8];
+                l.copy_from_slice(&all[half * 8..half * 8 + 8]);
+                let row = 2 * p + half;
+                out[row] = hsum8(l) + if unsigned { m[row] } else { 0.0 };
+            }
+        }
+        out
+    }
+
+    pub(super) fn dot4_512_q4_1(w: [&[u8]; 4], a: &QuantizedRow) -> [f32; 4] {
+        // SAFETY: chosen only after `is_x86_feature_detected!` found avx512f, avx512bw and
+        // avx512vnni (which imply avx2, fma and f16c).
+        unsafe { dot4_avx512(w, a, super::WeightFormat::Q4_1) }
+    }
+
+    pub(super) fn dot4_512_q4_0(w: [&[u8]; 4], a: &QuantizedRow) -> [f32; 4] {
+        // SAFETY: as in `dot4_512_q4_1`.
+        unsafe { dot4_avx512(w, a, super::WeightFormat::Q4_0) }
+    }
+
+    pub(super) fn dot4_512_q8_0(w: [&[u8]; 4], a: &QuantizedRow) -> [f32; 4] {
+        // SAFETY: as in `dot4_512_q4_1`.
+        unsafe { dot4_avx512(w, a, super::WeightFormat::Q8_0) }
+    }
+
     pub(super) fn tile512(u: &super::Unpacked, a: &[QuantizedRow], out: &mut [[f32; 4]]) {
         let fours = a.len() / 4 * 4;
         for (a, out) in a[..fours].chunks_exact(4).zip(out.chunks_exact_mut(4)) {
@@ -916,11 +1135,19 @@ mod tests {
             };
             let bits = |v: f32| v.to_bits();
             assert_eq!(bits(dot_kernel(fmt)(&w, &a)), bits(portable), "{fmt:?} dot");
-            let four = dot4_kernel(fmt)([&w, &w, &w, &w], &a);
-            assert!(
-                four.iter().all(|&v| bits(v) == bits(portable)),
-                "{fmt:?} dot4"
-            );
+            // Four different rows, so a mixed-up row order shows.
+            let rows: Vec<Vec<u8>> = (0..4)
+                .map(|r| {
+                    let mut v = w.clone();
+                    v.rotate_left(r * fmt.block_bytes());
+                    v
+                })
+                .collect();
+            let quad = [&rows[0][..], &rows[1], &rows[2], &rows[3]];
+            let want: Vec<u32> = quad.iter().map(|r| bits(dot_kernel(fmt)(r, &a))).collect();
+            let four = dot4_kernel(fmt)(quad, &a);
+            assert_eq!(four.map(bits).to_vec(), want, "{fmt:?} dot4");
+            assert_eq!(want[0], bits(portable), "{fmt:?} dot");
             let mut u = Unpacked::default();
             u.fill(fmt, [&w, &w, &w, &w]);
             // Runs of 1, 4 and 6 activation rows (the wide kernel's groups and remainder).
@@ -942,6 +1169,39 @@ mod tests {
                     );
                 }
             }
+        }
+    }
+
+    #[test]
+    fn vector_activation_quantization_matches_the_scalar_code() {
+        // Ties at every scale, zeros, a zero block, negatives and large magnitudes.
+        let mut x: Vec<f32> = (0..BLOCK * 8)
+            .map(|i| ((i * 7919 % 509) as f32 - 254.0) * 0.37)
+            .collect();
+        x[..BLOCK].fill(0.0);
+        x[BLOCK] = 127.0;
+        x[BLOCK + 1] = 30.5;
+        x[BLOCK + 2] = -2.5;
+        x[BLOCK + 3] = 0.5;
+        x[2 * BLOCK] = -1e30;
+        for (b, block) in x.chunks_exact(BLOCK).enumerate() {
+            let (mut scalar, mut wide) = ([0i8; BLOCK], [0i8; BLOCK]);
+            let want = quantize_block(block, &mut scalar);
+            #[cfg(target_arch = "x86_64")]
+            if std::arch::is_x86_feature_detected!("avx2") {
+                let got = x86::quantize_block(block, &mut wide);
+                assert_eq!(
+                    (got.0.to_bits(), got.1),
+                    (want.0.to_bits(), want.1),
+                    "block {b}"
+                );
+                assert_eq!(wide, scalar, "block {b}");
+            }
+            let mut unpacked = [0i8; BLOCK];
+            let packed: Vec<u8> = (0..16).map(|j| (j * 37 + b) as u8).collect();
+            unpack_nibbles(&packed, 8, &mut unpacked);
+            assert_eq!(unpacked, nibbles(&packed, 8));
+            let _ = &mut wide;
         }
     }
 

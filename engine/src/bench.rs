@@ -128,20 +128,43 @@ pub fn run(args: &BenchArgs) -> Result<()> {
     Ok(())
 }
 
-/// One batching measurement: `requests` requests of `len` prompt and `len` output tokens,
-/// all submitted at once.
+/// How the requests of a batching measurement arrive.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Arrival {
+    /// Every client sends one request at the same instant (the HTTP table's closed loop
+    /// starts this way; with equal lengths the clients then stay in lockstep).
+    Burst,
+    /// Clients join one at a time, each when the previous one's first token arrives, and
+    /// send `rounds` requests back to back: new prompts meet running decodes as in steady
+    /// traffic rather than all at once.
+    Staggered {
+        /// Requests per client.
+        rounds: usize,
+    },
+}
+
+/// One batching measurement.
+#[derive(Debug, Clone, Copy)]
 struct Load {
     tokens_per_s: f64,
     ttft_p50: f64,
     ttft_p90: f64,
-    waste: f64,
+    /// Unused share of the allocated slots at the first step of the peak allocation.
+    waste_first: f64,
+    /// The same, averaged over every step that held the peak allocation.
+    waste_mean: f64,
 }
+
+/// What one client saw: each request's time to first token (from its own submission) and
+/// tokens received.
+type ClientLog = Vec<(Option<f64>, usize)>;
 
 fn run_load(
     path: &std::path::Path,
     config: EngineConfig,
     prompt: &[u32],
-    requests: usize,
+    clients: usize,
+    arrival: Arrival,
     len: usize,
 ) -> Result<Load> {
     let loaded = crate::model::load(path, &Device::Cpu)?;
@@ -150,44 +173,81 @@ fn run_load(
         ignore_eos: true,
         ..SamplingParams::greedy(len)
     };
-    // All requests arrive at once, as the HTTP table's client sends them.
+    let rounds = match arrival {
+        Arrival::Burst => 1,
+        Arrival::Staggered { rounds } => rounds.max(1),
+    };
+    // Client j + 1 starts when client j's first token arrives (staggered arrival only).
+    let (go, wait): (Vec<_>, Vec<_>) = (0..clients).map(|_| std::sync::mpsc::channel()).unzip();
     let start = Instant::now();
-    let streams = (0..requests)
-        .map(|_| engine.submit(prompt[..len].to_vec(), params.clone()))
-        .collect::<Result<Vec<_>>>()?;
-    let results: Vec<(Option<f64>, usize)> = std::thread::scope(|s| {
-        let handles: Vec<_> = streams
+    let logs: Vec<Result<ClientLog>> = std::thread::scope(|s| {
+        let handles: Vec<_> = wait
             .into_iter()
-            .map(|mut stream| {
-                s.spawn(move || {
-                    let (mut first, mut n) = (None, 0);
-                    while let Some(ev) = stream.next_blocking() {
-                        match ev {
-                            Event::Token { .. } => {
-                                first.get_or_insert_with(|| start.elapsed().as_secs_f64());
-                                n += 1;
-                            }
-                            Event::Finished(_) => break,
-                        }
+            .enumerate()
+            .map(|(j, wait)| {
+                let mut next = go.get(j + 1).cloned();
+                let (engine, params, prompt) = (&engine, &params, &prompt[..len]);
+                s.spawn(move || -> Result<ClientLog> {
+                    if j > 0 && arrival != Arrival::Burst {
+                        let _ = wait.recv();
                     }
-                    (first, n)
+                    let mut log = Vec::with_capacity(rounds);
+                    for _ in 0..rounds {
+                        let sent = Instant::now();
+                        let mut stream = engine.submit(prompt.to_vec(), params.clone())?;
+                        let (mut first, mut n) = (None, 0);
+                        while let Some(ev) = stream.next_blocking() {
+                            match ev {
+                                Event::Token { .. } => {
+                                    if first.is_none() {
+                                        first = Some(sent.elapsed().as_secs_f64());
+                                        if let Some(go) = next.take() {
+                                            let _ = go.send(());
+                                        }
+                                    }
+                                    n += 1;
+                                }
+                                Event::Finished(_) => break,
+                            }
+                        }
+                        log.push((first, n));
+                    }
+                    // A request that produced no token must not hold the next client back.
+                    if let Some(go) = next.take() {
+                        let _ = go.send(());
+                    }
+                    Ok(log)
                 })
             })
             .collect();
+        drop(go);
         handles
             .into_iter()
-            .map(|h| h.join().unwrap_or((None, 0)))
+            .map(|h| {
+                h.join().unwrap_or_else(|_| {
+                    Err(Error::InvalidParameter(
+                        "a benchmark client panicked".into(),
+                    ))
+                })
+            })
             .collect()
     });
     let elapsed = start.elapsed().as_secs_f64();
-    let mut t: Vec<f64> = results.iter().filter_map(|r| r.0).collect();
+    let mut all = Vec::new();
+    for log in logs {
+        all.extend(log?);
+    }
+    let mut t: Vec<f64> = all.iter().filter_map(|r| r.0).collect();
     t.sort_by(f64::total_cmp);
     let st = engine.stats();
+    let peak = st.peak_allocated_slots.max(1) as f64;
+    let mean_fill = st.filled_over_peak_steps as f64 / st.steps_at_peak.max(1) as f64;
     Ok(Load {
-        tokens_per_s: results.iter().map(|r| r.1).sum::<usize>() as f64 / elapsed,
+        tokens_per_s: all.iter().map(|r| r.1).sum::<usize>() as f64 / elapsed,
         ttft_p50: percentile(&t, 0.5),
         ttft_p90: percentile(&t, 0.9),
-        waste: 1.0 - st.filled_at_peak as f64 / st.peak_allocated_slots.max(1) as f64,
+        waste_first: 1.0 - st.filled_at_peak as f64 / peak,
+        waste_mean: 1.0 - mean_fill / peak,
     })
 }
 
@@ -219,35 +279,67 @@ fn batching(args: &BenchArgs, mut prompt: Vec<u32>) -> Result<()> {
         },
         &prompt,
         args.naive_requests,
+        Arrival::Burst,
         len,
     )?;
     println!();
-    println!("Continuous batching, {len}-token prompts and {len} output tokens each (greedy, prefix caching off):");
+    println!("Continuous batching, {len}-token prompts and {len} output tokens each (greedy, prefix caching off), all requests sent at once:");
     println!();
-    println!("| concurrent requests | output tok/s | × single | TTFT p50 | TTFT p90 | KV waste at peak |");
+    println!("| concurrent requests | output tok/s | × single | TTFT p50 | TTFT p90 | KV waste at peak (first step / mean) |");
     println!("|---|---|---|---|---|---|");
     let mut single = None;
     for &c in &args.concurrency {
-        let r = run_load(path, base.clone(), &prompt, c.max(1), len)?;
+        let r = run_load(path, base.clone(), &prompt, c.max(1), Arrival::Burst, len)?;
         let one = *single.get_or_insert(r.tokens_per_s);
         println!(
-            "| {c} | {:.1} | {:.2}× | {:.2} s | {:.2} s | {:.1} % |",
+            "| {c} | {:.1} | {:.2}× | {:.2} s | {:.2} s | {:.1} % / {:.1} % |",
             r.tokens_per_s,
             r.tokens_per_s / one,
             r.ttft_p50,
             r.ttft_p90,
-            100.0 * r.waste
+            100.0 * r.waste_first,
+            100.0 * r.waste_mean
         );
     }
     println!(
-        "| naive: {} requests, --max-num-seqs 1 | {:.1} | {:.2}× | {:.2} s | {:.2} s | {:.1} % |",
+        "| naive: {} requests, --max-num-seqs 1 | {:.1} | {:.2}× | {:.2} s | {:.2} s | {:.1} % / {:.1} % |",
         args.naive_requests,
         naive.tokens_per_s,
         naive.tokens_per_s / single.unwrap_or(naive.tokens_per_s),
         naive.ttft_p50,
         naive.ttft_p90,
-        100.0 * naive.waste
+        100.0 * naive.waste_first,
+        100.0 * naive.waste_mean
     );
+    if args.rounds == 0 {
+        return Ok(());
+    }
+    println!();
+    println!(
+        "Steady traffic: clients join one at a time (each when the previous one's first token arrives) and send {} requests each back to back; TTFT from each request's submission:",
+        args.rounds
+    );
+    println!();
+    println!("| clients | output tok/s | × single | TTFT p50 | TTFT p90 | TTFT p90 / single's | KV waste at peak (first step / mean) |");
+    println!("|---|---|---|---|---|---|---|");
+    let mut single = None;
+    for &c in &args.concurrency {
+        let arrival = Arrival::Staggered {
+            rounds: args.rounds,
+        };
+        let r = run_load(path, base.clone(), &prompt, c.max(1), arrival, len)?;
+        let one = *single.get_or_insert(r);
+        println!(
+            "| {c} | {:.1} | {:.2}× | {:.2} s | {:.2} s | {:.2}× | {:.1} % / {:.1} % |",
+            r.tokens_per_s,
+            r.tokens_per_s / one.tokens_per_s,
+            r.ttft_p50,
+            r.ttft_p90,
+            r.ttft_p90 / one.ttft_p90.max(1e-9),
+            100.0 * r.waste_first,
+            100.0 * r.waste_mean
+        );
+    }
     Ok(())
 }
 

@@ -283,6 +283,10 @@ pub struct BenchArgs {
     /// Prompt and output length of each batching request.
     #[arg(long, default_value_t = 128)]
     pub request_tokens: usize,
+    /// Requests each client sends back to back in the steady-traffic table (clients join
+    /// one at a time); 0 skips that table.
+    #[arg(long, default_value_t = 3)]
+    pub rounds: usize,
 }
 
 /// Runs the parsed command line.

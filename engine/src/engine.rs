@@ -116,8 +116,14 @@ pub struct EngineStats {
     pub steps: u64,
     /// Most cache slots the running sequences held at once (blocks × block size).
     pub peak_allocated_slots: usize,
-    /// Slots holding a token at that peak.
+    /// Slots holding a token at the first step that reached that peak (the emptiest
+    /// moment of the peak: new blocks have just been taken).
     pub filled_at_peak: usize,
+    /// Steps that ended holding the peak number of slots.
+    pub steps_at_peak: u64,
+    /// Slots holding a token, summed over those steps (their mean fill is this divided by
+    /// `steps_at_peak`).
+    pub filled_over_peak_steps: u64,
 }
 
 /// Fixed facts about the running engine.
@@ -520,6 +526,11 @@ impl EngineLoop {
             if allocated > st.peak_allocated_slots {
                 st.peak_allocated_slots = allocated;
                 st.filled_at_peak = filled;
+                st.steps_at_peak = 1;
+                st.filled_over_peak_steps = filled as u64;
+            } else if allocated == st.peak_allocated_slots && allocated > 0 {
+                st.steps_at_peak += 1;
+                st.filled_over_peak_steps += filled as u64;
             }
             st.running = self.sched.running().len();
             st.waiting = self.sched.num_waiting();

@@ -240,3 +240,22 @@ fn max_tokens_beyond_max_model_len_is_refused_with_both_numbers() {
         "{err}"
     );
 }
+
+#[test]
+fn kv_waste_is_measured_over_the_whole_peak_not_just_its_first_step() {
+    let m = model();
+    let prompt = prompts(&m, 1).remove(0);
+    assert_eq!(prompt.len(), 3);
+    let engine = start(small(64, EngineConfig::default()));
+    // 3 prompt tokens + 29 fed-back outputs = 32 cached positions: exactly two blocks.
+    batched(&engine, &[prompt], 30);
+    wait_idle(&engine);
+    let st = engine.stats();
+    assert_eq!(st.peak_allocated_slots, 32, "{st:?}");
+    assert!(st.steps_at_peak > 1, "{st:?}");
+    let mean = st.filled_over_peak_steps as f64 / st.steps_at_peak as f64;
+    assert!(
+        (st.filled_at_peak as f64) < mean && mean <= 32.0,
+        "the second block fills up while it is held: {st:?}"
+    );
+}

@@ -340,9 +340,11 @@ mod avx512 {
     ) {
         let d = 16 * N;
         assert!(qr.len() == d && out.len() == d);
-        // SAFETY: `qr` holds exactly `16 N` f32 (asserted); loadu is unaligned.
-        let q: [__m512; N] =
-            std::array::from_fn(|j| unsafe { _mm512_loadu_ps(qr.as_ptr().add(16 * j)) });
+        let mut q = [_mm512_setzero_ps(); N];
+        for (j, q) in q.iter_mut().enumerate() {
+            // SAFETY: `qr` holds exactly `16 N` f32 (asserted); loadu is unaligned.
+            *q = unsafe { _mm512_loadu_ps(qr.as_ptr().add(16 * j)) };
+        }
         let mut acc = [_mm512_setzero_ps(); N];
         let (mut max, mut sum) = (f32::NEG_INFINITY, 0f32);
         for pos in 0..=last {

@@ -244,28 +244,29 @@ impl Unpacked {
         self.q.resize(nb * 4, [0; BLOCK]);
         self.d.resize(nb * 4, 0.0);
         self.m.resize(nb * 4, 0.0);
-        for (r, row) in rows.into_iter().enumerate() {
-            let blocks = row.chunks_exact(stride).enumerate();
-            match format {
-                WeightFormat::Q4_1 => {
-                    for (i, b) in blocks {
-                        self.d[i * 4 + r] = f16_at(b, 0);
-                        self.m[i * 4 + r] = f16_at(b, 2);
-                        unpack_nibbles(&b[4..20], 0, &mut self.q[i * 4 + r]);
+        // Per block: four rows' values, scales and minimums side by side.
+        let blocks = self
+            .q
+            .chunks_exact_mut(4)
+            .zip(self.d.chunks_exact_mut(4))
+            .zip(self.m.chunks_exact_mut(4));
+        for (i, ((q, d), m)) in blocks.enumerate() {
+            let at = i * stride;
+            for r in 0..4 {
+                let b = &rows[r][at..at + stride];
+                d[r] = f16_at(b, 0);
+                match format {
+                    WeightFormat::Q4_1 => {
+                        m[r] = f16_at(b, 2);
+                        unpack_nibbles(&b[4..20], 0, &mut q[r]);
                     }
-                }
-                WeightFormat::Q4_0 => {
-                    for (i, b) in blocks {
-                        self.d[i * 4 + r] = f16_at(b, 0);
-                        self.m[i * 4 + r] = 0.0;
-                        unpack_nibbles(&b[2..18], 8, &mut self.q[i * 4 + r]);
+                    WeightFormat::Q4_0 => {
+                        m[r] = 0.0;
+                        unpack_nibbles(&b[2..18], 8, &mut q[r]);
                     }
-                }
-                WeightFormat::Q8_0 => {
-                    for (i, b) in blocks {
-                        self.d[i * 4 + r] = f16_at(b, 0);
-                        self.m[i * 4 + r] = 0.0;
-                        for (dst, &src) in self.q[i * 4 + r].iter_mut().zip(&b[2..34]) {
+                    WeightFormat::Q8_0 => {
+                        m[r] = 0.0;
+                        for (dst, &src) in q[r].iter_mut().zip(&b[2..34]) {
                             *dst = src as i8;
                         }
                     }
@@ -546,17 +547,31 @@ mod x86 {
     fn quantize_block_avx2(block: &[f32], q: &mut [i8]) -> (f32, i32) {
         assert!(block.len() == BLOCK && q.len() == BLOCK);
         // SAFETY: `block` holds exactly 32 f32 (asserted): four unaligned 8-lane loads.
-        let v: [__m256; 4] =
-            std::array::from_fn(|j| unsafe { _mm256_loadu_ps(block.as_ptr().add(8 * j)) });
+        let v = unsafe {
+            let p = block.as_ptr();
+            [
+                _mm256_loadu_ps(p),
+                _mm256_loadu_ps(p.add(8)),
+                _mm256_loadu_ps(p.add(16)),
+                _mm256_loadu_ps(p.add(24)),
+            ]
+        };
         let abs = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFF_FFFF));
-        let m = v.map(|x| _mm256_and_ps(x, abs));
-        let m = _mm256_max_ps(_mm256_max_ps(m[0], m[1]), _mm256_max_ps(m[2], m[3]));
+        let m = _mm256_max_ps(
+            _mm256_max_ps(_mm256_and_ps(v[0], abs), _mm256_and_ps(v[1], abs)),
+            _mm256_max_ps(_mm256_and_ps(v[2], abs), _mm256_and_ps(v[3], abs)),
+        );
         let m4 = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps::<1>(m));
         let m2 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
         let amax = _mm_cvtss_f32(_mm_max_ss(m2, _mm_movehdup_ps(m2)));
         let d = amax / 127.0;
         let id = _mm256_set1_ps(if amax != 0.0 { 127.0 / amax } else { 0.0 });
-        let i = v.map(|x| _mm256_cvtps_epi32(_mm256_mul_ps(x, id)));
+        let i = [
+            _mm256_cvtps_epi32(_mm256_mul_ps(v[0], id)),
+            _mm256_cvtps_epi32(_mm256_mul_ps(v[1], id)),
+            _mm256_cvtps_epi32(_mm256_mul_ps(v[2], id)),
+            _mm256_cvtps_epi32(_mm256_mul_ps(v[3], id)),
+        ];
         let total = _mm256_add_epi32(_mm256_add_epi32(i[0], i[1]), _mm256_add_epi32(i[2], i[3]));
         let t4 = _mm_add_epi32(
             _mm256_castsi256_si128(total),
@@ -827,6 +842,42 @@ mod x86 {
         }
     }
 
+    /// The 32-byte values of block `at` of two Q8_0 rows, one row per 256-bit half.
+    ///
+    /// # Safety
+    /// Both rows must hold 32 readable bytes at `at`.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx2")]
+    unsafe fn row_pair_q8(a: &[u8], b: &[u8], at: usize) -> __m512i {
+        // SAFETY: the caller guarantees 32 readable bytes at `at` in both rows.
+        unsafe {
+            let lo = _mm256_loadu_si256(a.as_ptr().add(at).cast());
+            let hi = _mm256_loadu_si256(b.as_ptr().add(at).cast());
+            _mm512_inserti64x4::<1>(_mm512_castsi256_si512(lo), hi)
+        }
+    }
+
+    /// The 32 values of the 4-bit block whose 16 packed bytes start at `at` in each of two
+    /// rows, minus `shift`, laid out `[a lo, a hi, b lo, b hi]` (16 bytes each).
+    ///
+    /// # Safety
+    /// Both rows must hold 16 readable bytes at `at`.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx2")]
+    unsafe fn row_pair_q4(a: &[u8], b: &[u8], at: usize, shift: i8) -> __m512i {
+        // SAFETY: the caller guarantees 16 readable bytes at `at` in both rows.
+        let y = unsafe {
+            let lo = _mm_loadu_si128(a.as_ptr().add(at).cast());
+            let hi = _mm_loadu_si128(b.as_ptr().add(at).cast());
+            _mm256_inserti128_si256::<1>(_mm256_castsi128_si256(lo), hi)
+        };
+        // [a qs, b qs, a qs >> 4, b qs >> 4] -> [a lo, a hi, b lo, b hi].
+        let z = _mm512_inserti64x4::<1>(_mm512_castsi256_si512(y), _mm256_srli_epi16::<4>(y));
+        let z = _mm512_and_si512(z, _mm512_set1_epi8(0x0F));
+        let z = _mm512_permutexvar_epi64(_mm512_setr_epi64(0, 1, 4, 5, 2, 3, 6, 7), z);
+        _mm512_sub_epi8(z, _mm512_set1_epi8(shift))
+    }
+
     /// Four GGUF weight rows against one activation row, two rows per 512-bit register as
     /// in [`tile_avx512`], unpacking each block straight from the GGUF bytes: the lanes,
     /// scales and fused multiply-adds of every output are exactly the 256-bit kernel's.
@@ -842,10 +893,6 @@ mod x86 {
         let pair01 = _mm512_set_epi32(2, 2, 2, 2, 2, 2, 2, 2, 0, 0, 0, 0, 0, 0, 0, 0);
         let pair23 = _mm512_set_epi32(6, 6, 6, 6, 6, 6, 6, 6, 4, 4, 4, 4, 4, 4, 4, 4);
         let mins = _mm256_setr_epi32(1, 3, 5, 7, 0, 0, 0, 0);
-        // [r0 qs, r1 qs, r0 qs >> 4, r1 qs >> 4] -> [r0 lo, r0 hi, r1 lo, r1 hi].
-        let halves = _mm512_setr_epi64(0, 1, 4, 5, 2, 3, 6, 7);
-        let low = _mm512_set1_epi8(0x0F);
-        let eight = _mm512_set1_epi8(8);
         let mut acc = [_mm512_setzero_ps(); 2];
         let mut summs = _mm_setzero_ps();
         for i in 0..nb {
@@ -861,29 +908,17 @@ mod x86 {
                     head(3) as i32,
                 );
                 let qx = match format {
-                    WeightFormat::Q8_0 => [0, 2].map(|r| {
-                        let lo = _mm256_loadu_si256(w[r].as_ptr().add(at + 2).cast());
-                        let hi = _mm256_loadu_si256(w[r + 1].as_ptr().add(at + 2).cast());
-                        _mm512_inserti64x4::<1>(_mm512_castsi256_si512(lo), hi)
-                    }),
+                    WeightFormat::Q8_0 => [
+                        row_pair_q8(w[0], w[1], at + 2),
+                        row_pair_q8(w[2], w[3], at + 2),
+                    ],
                     _ => {
                         let off = if unsigned { 4 } else { 2 };
-                        [0, 2].map(|r| {
-                            let a = _mm_loadu_si128(w[r].as_ptr().add(at + off).cast());
-                            let b = _mm_loadu_si128(w[r + 1].as_ptr().add(at + off).cast());
-                            let y = _mm256_inserti128_si256::<1>(_mm256_castsi128_si256(a), b);
-                            let z = _mm512_inserti64x4::<1>(
-                                _mm512_castsi256_si512(y),
-                                _mm256_srli_epi16::<4>(y),
-                            );
-                            let z = _mm512_and_si512(z, low);
-                            let z = _mm512_permutexvar_epi64(halves, z);
-                            if unsigned {
-                                z
-                            } else {
-                                _mm512_sub_epi8(z, eight)
-                            }
-                        })
+                        let shift = if unsigned { 0 } else { 8 };
+                        [
+                            row_pair_q4(w[0], w[1], at + off, shift),
+                            row_pair_q4(w[2], w[3], at + off, shift),
+                        ]
                     }
                 };
                 (qx, heads)

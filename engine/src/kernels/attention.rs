@@ -34,9 +34,10 @@ pub trait KvElement: Copy + Default + Send + Sync + std::fmt::Debug + 'static {
     }
 }
 
-/// Attention of one query head over positions `0..=last` of one KV head: the rounded
-/// query (`head_dim` values), the sequence's keys and values, the KV head's offset within
-/// a row and the row width, the score scale; writes the `head_dim` outputs.
+/// Attention of the query heads that share one KV head (1 to [`MAX_GROUP`] of them, each
+/// `head_dim` values) over positions `0..=last`: the rounded queries side by side, the
+/// sequence's keys and values, the KV head's offset within a row and the row width, the
+/// score scale; writes the heads' outputs side by side.
 pub type HeadKernel<T> =
     fn(&[f32], KvBlocks<'_, T>, KvBlocks<'_, T>, usize, usize, usize, f32, &mut [f32]);
 
@@ -73,9 +74,9 @@ impl KvElement for f16 {
         #[cfg(target_arch = "x86_64")]
         if std::arch::is_x86_feature_detected!("avx512f") {
             return match head_dim {
-                64 => Some(avx512::head::<4>),
-                128 => Some(avx512::head::<8>),
-                256 => Some(avx512::head::<16>),
+                64 => Some(avx512::heads::<4>),
+                128 => Some(avx512::heads::<8>),
+                256 => Some(avx512::heads::<16>),
                 _ => None,
             };
         }
@@ -177,6 +178,10 @@ pub struct HeadShape {
     pub head_dim: usize,
 }
 
+/// Most query heads per KV head a [`HeadKernel`] serves in one pass (wider groups are
+/// split).
+pub const MAX_GROUP: usize = 4;
+
 /// Writes `out[i, h, :]` = softmax(q_i,h · K[0..=positions[i]] / sqrt(d)) · V for every
 /// query row `i` (`q` and `out` are `[len, heads * head_dim]`).
 pub fn paged_attention<T: KvElement>(
@@ -218,6 +223,25 @@ pub fn paged_attention_batch<T: KvElement>(
     shape: HeadShape,
     out: &mut [f32],
 ) {
+    attention_with(
+        q,
+        positions,
+        seqs,
+        shape,
+        out,
+        T::head_kernel(shape.head_dim),
+    );
+}
+
+/// [`paged_attention_batch`] with a given head kernel, or the portable loop (`None`).
+fn attention_with<T: KvElement>(
+    q: &[f32],
+    positions: &[usize],
+    seqs: &[SeqKv<'_, T>],
+    shape: HeadShape,
+    out: &mut [f32],
+    kernel: Option<HeadKernel<T>>,
+) {
     let HeadShape {
         heads,
         kv_heads,
@@ -235,12 +259,22 @@ pub fn paged_attention_batch<T: KvElement>(
     let work = positions.iter().map(|p| p + 1).sum::<usize>() * heads * d;
     let rows = (positions.len() * heads).max(1);
     let rows_per_task = ((1usize << 15) * rows).div_ceil(work.max(1)).clamp(1, rows);
-    let kernel = T::head_kernel(d);
-    let one = |row: usize, o: &mut [f32]| {
+    // The unit of work: `chunk` query heads of one token sharing a KV head, so each key and
+    // value row is converted once for all of them and their chains interleave.
+    let chunk = if kernel.is_some() {
+        (1..=MAX_GROUP.min(group))
+            .rev()
+            .find(|c| group.is_multiple_of(*c))
+            .unwrap_or(1)
+    } else {
+        1
+    };
+    let one = |unit: usize, o: &mut [f32]| {
+        let row = unit * chunk;
         let (i, h) = (row / heads, row % heads);
         let kvh = h / group;
         let SeqKv { keys, values, .. } = seqs[owner[i]];
-        let qr: Vec<f32> = q[row * d..(row + 1) * d]
+        let qr: Vec<f32> = q[row * d..(row + chunk) * d]
             .iter()
             .map(|&x| T::round(x))
             .collect();
@@ -274,11 +308,12 @@ pub fn paged_attention_batch<T: KvElement>(
         let inv = if sum == 0.0 { 0.0 } else { 1.0 / sum };
         acc.iter_mut().for_each(|a| *a *= inv);
     };
-    out.par_chunks_mut(rows_per_task * d)
+    let units_per_task = rows_per_task.div_ceil(chunk);
+    out.par_chunks_mut(units_per_task * chunk * d)
         .enumerate()
-        .for_each(|(t, chunk)| {
-            for (j, o) in chunk.chunks_mut(d).enumerate() {
-                one(t * rows_per_task + j, o);
+        .for_each(|(t, part)| {
+            for (j, o) in part.chunks_mut(chunk * d).enumerate() {
+                one(t * units_per_task + j, o);
             }
         });
 }
@@ -326,9 +361,12 @@ mod avx512 {
         _mm512_cvtph_ps(_mm512_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(x))
     }
 
+    /// `G` query heads of `16 N` values against one KV head. Each head's arithmetic is
+    /// exactly the single-head loop's; the heads only share the converted key and value rows,
+    /// and their independent chains fill each other's latencies.
     #[target_feature(enable = "avx512f")]
     #[allow(clippy::too_many_arguments)]
-    fn head_avx512<const N: usize>(
+    fn heads_avx512<const N: usize, const G: usize>(
         qr: &[f32],
         keys: KvBlocks<'_, f16>,
         values: KvBlocks<'_, f16>,
@@ -339,54 +377,69 @@ mod avx512 {
         out: &mut [f32],
     ) {
         let d = 16 * N;
-        assert!(qr.len() == d && out.len() == d);
-        let mut q = [_mm512_setzero_ps(); N];
-        for (j, q) in q.iter_mut().enumerate() {
-            // SAFETY: `qr` holds exactly `16 N` f32 (asserted); loadu is unaligned.
-            *q = unsafe { _mm512_loadu_ps(qr.as_ptr().add(16 * j)) };
+        assert!(qr.len() == G * d && out.len() == G * d);
+        let mut q = [[_mm512_setzero_ps(); N]; G];
+        for (g, q) in q.iter_mut().enumerate() {
+            for (j, q) in q.iter_mut().enumerate() {
+                // SAFETY: `qr` holds exactly `G · 16 N` f32 (asserted); loadu is unaligned.
+                *q = unsafe { _mm512_loadu_ps(qr.as_ptr().add(g * d + 16 * j)) };
+            }
         }
-        let mut acc = [_mm512_setzero_ps(); N];
-        let (mut max, mut sum) = (f32::NEG_INFINITY, 0f32);
+        let mut acc = [[_mm512_setzero_ps(); N]; G];
+        let (mut max, mut sum) = ([f32::NEG_INFINITY; G], [0f32; G]);
         for pos in 0..=last {
             let k = &keys.row(pos, width)[offset..offset + d];
-            // ggml's f16 dot: four 16-lane chains over each 64 values, folded (0+2)+(1+3).
-            let mut lanes = [_mm512_setzero_ps(); 4];
-            for j in 0..N {
-                lanes[j % 4] = _mm512_fmadd_ps(q[j], load16(k, 16 * j), lanes[j % 4]);
-            }
-            let z = _mm512_add_ps(
-                _mm512_add_ps(lanes[0], lanes[2]),
-                _mm512_add_ps(lanes[1], lanes[3]),
-            );
-            let s = reduce16(z) * scale;
-            let (mut ms, mut vs) = (1f32, 1f32);
-            if s > max {
-                ms = (max - s).exp();
-                max = s;
-                let m = _mm512_set1_ps(ms);
-                for a in &mut acc {
-                    *a = round16(_mm512_mul_ps(*a, m));
-                }
-            } else {
-                vs = (s - max).exp();
-            }
             let v = &values.row(pos, width)[offset..offset + d];
-            let w = _mm512_set1_ps(vs);
-            for (j, a) in acc.iter_mut().enumerate() {
-                *a = round16(_mm512_fmadd_ps(load16(v, 16 * j), w, *a));
+            let mut kx = [_mm512_setzero_ps(); N];
+            let mut vx = [_mm512_setzero_ps(); N];
+            for j in 0..N {
+                kx[j] = load16(k, 16 * j);
+                vx[j] = load16(v, 16 * j);
             }
-            sum = sum.mul_add(ms, vs);
+            for g in 0..G {
+                // ggml's f16 dot: four 16-lane chains over each 64 values, folded (0+2)+(1+3).
+                let mut lanes = [_mm512_setzero_ps(); 4];
+                for j in 0..N {
+                    lanes[j % 4] = _mm512_fmadd_ps(q[g][j], kx[j], lanes[j % 4]);
+                }
+                let z = _mm512_add_ps(
+                    _mm512_add_ps(lanes[0], lanes[2]),
+                    _mm512_add_ps(lanes[1], lanes[3]),
+                );
+                let s = reduce16(z) * scale;
+                let (mut ms, mut vs) = (1f32, 1f32);
+                if s > max[g] {
+                    ms = (max[g] - s).exp();
+                    max[g] = s;
+                    let m = _mm512_set1_ps(ms);
+                    for a in &mut acc[g] {
+                        *a = round16(_mm512_mul_ps(*a, m));
+                    }
+                } else {
+                    vs = (s - max[g]).exp();
+                }
+                let w = _mm512_set1_ps(vs);
+                for (a, v) in acc[g].iter_mut().zip(&vx) {
+                    *a = round16(_mm512_fmadd_ps(*v, w, *a));
+                }
+                sum[g] = sum[g].mul_add(ms, vs);
+            }
         }
-        let inv = _mm512_set1_ps(if sum == 0.0 { 0.0 } else { 1.0 / sum });
-        for (j, a) in acc.iter().enumerate() {
-            // SAFETY: `out` holds exactly `16 N` f32 (asserted); storeu is unaligned.
-            unsafe { _mm512_storeu_ps(out.as_mut_ptr().add(16 * j), _mm512_mul_ps(*a, inv)) };
+        for g in 0..G {
+            let inv = _mm512_set1_ps(if sum[g] == 0.0 { 0.0 } else { 1.0 / sum[g] });
+            for (j, a) in acc[g].iter().enumerate() {
+                // SAFETY: `out` holds exactly `G · 16 N` f32 (asserted); storeu is unaligned.
+                unsafe {
+                    _mm512_storeu_ps(out.as_mut_ptr().add(g * d + 16 * j), _mm512_mul_ps(*a, inv))
+                };
+            }
         }
     }
 
-    /// One (query, head) of `16 N` values; see [`super::HeadKernel`].
+    /// The query heads in `qr` (one to four of `16 N` values) against one KV head; see
+    /// [`super::HeadKernel`].
     #[allow(clippy::too_many_arguments)]
-    pub(super) fn head<const N: usize>(
+    pub(super) fn heads<const N: usize>(
         qr: &[f32],
         keys: KvBlocks<'_, f16>,
         values: KvBlocks<'_, f16>,
@@ -396,9 +449,19 @@ mod avx512 {
         scale: f32,
         out: &mut [f32],
     ) {
-        // SAFETY: chosen by `head_kernel` only after `is_x86_feature_detected!` found
-        // avx512f (which brings the 512-bit f16 conversions).
-        unsafe { head_avx512::<N>(qr, keys, values, offset, width, last, scale, out) }
+        let kernel = match qr.len() / (16 * N) {
+            1 => heads_avx512::<N, 1>,
+            2 => heads_avx512::<N, 2>,
+            3 => heads_avx512::<N, 3>,
+            4 => heads_avx512::<N, 4>,
+            g => panic!(
+                "a head kernel serves 1 to {} heads, got {g}",
+                super::MAX_GROUP
+            ),
+        };
+        // SAFETY: chosen by `head_kernel` only after `is_x86_feature_detected!` found avx512f
+        // (which brings the 512-bit f16 conversions).
+        unsafe { kernel(qr, keys, values, offset, width, last, scale, out) }
     }
 }
 
@@ -542,6 +605,65 @@ mod tests {
     #[test]
     fn f16_cache_stays_within_half_precision() {
         check::<f16>(5e-3);
+    }
+
+    #[test]
+    fn the_vector_head_kernels_equal_the_portable_loop_bit_for_bit() {
+        // Widths with a kernel, grouped-query layouts (3 and 8 query heads per KV head) and
+        // two sequences whose rows share one call: a prefill chunk and a decode.
+        for (d, heads, kv_heads) in [(64, 9, 3), (128, 8, 1), (64, 4, 4)] {
+            let Some(kernel) = <f16 as KvElement>::head_kernel(d) else {
+                return;
+            };
+            let width = kv_heads * d;
+            let val =
+                |i: usize, salt: usize| (((i * 7919 + salt) % 211) as f32 / 211.0 - 0.5) * 3.0;
+            let cache = |salt: usize, rows: usize| -> Vec<f16> {
+                (0..rows * width)
+                    .map(|i| f16::from_f32(val(i, salt)))
+                    .collect()
+            };
+            let (k0, v0, k1, v1) = (cache(1, 40), cache(2, 40), cache(3, 24), cache(4, 24));
+            fn blocks(x: &[f16], rows: usize) -> Vec<&[f16]> {
+                x.chunks(rows).collect()
+            }
+            let r = 16 * width;
+            let (kb0, vb0) = (blocks(&k0, r), blocks(&v0, r));
+            let (kb1, vb1) = (blocks(&k1, r), blocks(&v1, r));
+            let kv = |b| KvBlocks {
+                blocks: b,
+                block_size: 16,
+            };
+            let seqs = [
+                SeqKv {
+                    keys: kv(&kb0),
+                    values: kv(&vb0),
+                    tokens: 3,
+                },
+                SeqKv {
+                    keys: kv(&kb1),
+                    values: kv(&vb1),
+                    tokens: 1,
+                },
+            ];
+            let positions = [37, 38, 39, 23];
+            let q: Vec<f32> = (0..4 * heads * d).map(|i| val(i, 5)).collect();
+            let shape = HeadShape {
+                heads,
+                kv_heads,
+                head_dim: d,
+            };
+            let run = |k: Option<HeadKernel<f16>>| {
+                let mut out = vec![0f32; q.len()];
+                attention_with(&q, &positions, &seqs, shape, &mut out, k);
+                out.iter().map(|v| v.to_bits()).collect::<Vec<_>>()
+            };
+            assert_eq!(
+                run(Some(kernel)),
+                run(None),
+                "head_dim {d}, {heads}/{kv_heads} heads"
+            );
+        }
     }
 
     #[test]

@@ -58,6 +58,10 @@ const ROWS_PER_TASK: usize = 16;
 /// are re-read once per task, so blocks are large but still spread over every thread.
 const ACT_ROWS_PER_TASK: usize = 64;
 
+/// Up to this many activation rows, weight blocks are unpacked in registers by a kernel
+/// that reads the GGUF bytes directly (where the CPU has one) rather than into a buffer.
+const PACKED_MAX_ROWS: usize = 16;
+
 /// Up to this many activation rows, a matrix product splits the weight rows among threads
 /// (each weight block unpacked once); beyond it, the activation rows.
 const WEIGHT_PARALLEL_MAX_ROWS: usize = 32;
@@ -146,6 +150,13 @@ impl QuantMatrix {
 
     fn matmat_by_weight_rows(&self, x: &[f32], m: usize) -> Vec<f32> {
         let (dot, tile) = (dot_kernel(self.format), tile_kernel());
+        // Few rows: unpack each weight block in registers for all of them; more rows: unpack
+        // once into a buffer that every row then reads.
+        let packed = if m <= PACKED_MAX_ROWS {
+            packed_tile_kernel(self.format)
+        } else {
+            None
+        };
         let with_sums = self.format == WeightFormat::Q4_1;
         let acts: Vec<QuantizedRow> = x
             .par_chunks_exact(self.cols)
@@ -162,11 +173,14 @@ impl QuantMatrix {
                     let n = dst.len() / m;
                     let quads = n / 4 * 4;
                     for r in (0..quads).step_by(4) {
-                        unpacked.fill(
-                            self.format,
-                            [0, 1, 2, 3].map(|j| self.weight_row(first + r + j)),
-                        );
-                        tile(unpacked, &acts, tiles);
+                        let w = [0, 1, 2, 3].map(|j| self.weight_row(first + r + j));
+                        match packed {
+                            Some(packed) => packed(w, &acts, tiles),
+                            None => {
+                                unpacked.fill(self.format, w);
+                                tile(unpacked, &acts, tiles);
+                            }
+                        }
                         for (i, v) in tiles.iter().enumerate() {
                             for (j, &v) in v.iter().enumerate() {
                                 dst[(r + j) * m + i] = v;
@@ -330,6 +344,27 @@ fn tile_portable_row(u: &Unpacked, a: &QuantizedRow) -> [f32; 4] {
         }
     }
     [0, 1, 2, 3].map(|r| hsum8(acc[r]) + if u.signed { 0.0 } else { summs[r] })
+}
+
+/// Four GGUF weight rows against a run of activation rows (`out[i]` for `acts[i]`),
+/// unpacking each weight block once in registers; exactly [`dot_kernel`]'s arithmetic.
+type PackedTile = fn([&[u8]; 4], &[QuantizedRow], &mut [[f32; 4]]);
+
+/// The packed tile for `format`, where the CPU has one (AVX-512 VNNI).
+fn packed_tile_kernel(format: WeightFormat) -> Option<PackedTile> {
+    #[cfg(target_arch = "x86_64")]
+    {
+        use std::arch::is_x86_feature_detected as has;
+        if has!("avx512f") && has!("avx512bw") && has!("avx512vnni") {
+            return Some(match format {
+                WeightFormat::Q4_1 => x86::packed_512_q4_1,
+                WeightFormat::Q4_0 => x86::packed_512_q4_0,
+                WeightFormat::Q8_0 => x86::packed_512_q8_0,
+            });
+        }
+    }
+    let _ = format;
+    None
 }
 
 /// Four weight rows against one activation row: four independent accumulator chains, each
@@ -878,23 +913,33 @@ mod x86 {
         _mm512_sub_epi8(z, _mm512_set1_epi8(shift))
     }
 
-    /// Four GGUF weight rows against one activation row, two rows per 512-bit register as
-    /// in [`tile_avx512`], unpacking each block straight from the GGUF bytes: the lanes,
-    /// scales and fused multiply-adds of every output are exactly the 256-bit kernel's.
+    /// Four GGUF weight rows against `R` activation rows, two weight rows per 512-bit
+    /// register as in [`tile_avx512`], unpacking each block straight from the GGUF bytes
+    /// once for all `R` rows (no round trip through memory): the lanes, scales and fused
+    /// multiply-adds of every output are exactly the 256-bit kernel's.
     #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
-    fn dot4_avx512(w: [&[u8]; 4], a: &QuantizedRow, format: super::WeightFormat) -> [f32; 4] {
+    fn packed_avx512<const R: usize>(
+        w: [&[u8]; 4],
+        acts: &[QuantizedRow],
+        format: super::WeightFormat,
+        out: &mut [[f32; 4]],
+    ) {
         use super::WeightFormat;
         let stride = format.block_bytes();
-        let nb = a.d.len();
-        assert!(w.iter().all(|r| r.len() == nb * stride) && a.q.len() == nb * BLOCK);
+        assert!(acts.len() == R && out.len() == R);
+        let nb = acts[0].d.len();
+        assert!(w.iter().all(|r| r.len() == nb * stride));
+        assert!(acts
+            .iter()
+            .all(|a| a.d.len() == nb && a.q.len() == nb * BLOCK));
         let unsigned = format == WeightFormat::Q4_1;
-        assert!(!unsigned || a.s.len() == nb);
+        assert!(!unsigned || acts.iter().all(|a| a.s.len() == nb));
         // [d0 m0 d1 m1 d2 m2 d3 m3] -> [d0 x8, d1 x8] and [d2 x8, d3 x8]; m as four lanes.
         let pair01 = _mm512_set_epi32(2, 2, 2, 2, 2, 2, 2, 2, 0, 0, 0, 0, 0, 0, 0, 0);
         let pair23 = _mm512_set_epi32(6, 6, 6, 6, 6, 6, 6, 6, 4, 4, 4, 4, 4, 4, 4, 4);
         let mins = _mm256_setr_epi32(1, 3, 5, 7, 0, 0, 0, 0);
-        let mut acc = [_mm512_setzero_ps(); 2];
-        let mut summs = _mm_setzero_ps();
+        let mut acc = [[_mm512_setzero_ps(); 2]; R];
+        let mut summs = [_mm_setzero_ps(); R];
         for i in 0..nb {
             let at = i * stride;
             // SAFETY: every row holds `nb` blocks of `stride` bytes (asserted), so each read
@@ -928,46 +973,89 @@ mod x86 {
                 _mm512_permutexvar_ps(pair01, dm),
                 _mm512_permutexvar_ps(pair23, dm),
             ];
-            // SAFETY: block `i` of the activation is 32 bytes inside `q` (asserted).
-            let qy = unsafe {
-                _mm512_broadcast_i64x4(_mm256_loadu_si256(a.q.as_ptr().add(i * BLOCK).cast()))
-            };
-            let ad = _mm512_set1_ps(a.d[i]);
-            for p in 0..2 {
-                let prod = if unsigned {
-                    _mm512_dpbusd_epi32(_mm512_setzero_si512(), qx[p], qy)
-                } else {
-                    let neg = _mm512_movepi8_mask(qx[p]);
-                    let sy = _mm512_mask_sub_epi8(qy, neg, _mm512_setzero_si512(), qy);
-                    _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_abs_epi8(qx[p]), sy)
+            let m4 =
+                _mm256_castps256_ps128(_mm256_permutevar8x32_ps(_mm512_castps512_ps256(dm), mins));
+            let negative = [_mm512_movepi8_mask(qx[0]), _mm512_movepi8_mask(qx[1])];
+            let magnitude = [_mm512_abs_epi8(qx[0]), _mm512_abs_epi8(qx[1])];
+            for r in 0..R {
+                let a = &acts[r];
+                // SAFETY: block `i` of each activation is 32 bytes inside its `q` (asserted).
+                let qy = unsafe {
+                    _mm512_broadcast_i64x4(_mm256_loadu_si256(a.q.as_ptr().add(i * BLOCK).cast()))
                 };
-                let d = _mm512_mul_ps(scales[p], ad);
-                acc[p] = _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(prod), acc[p]);
-            }
-            if unsigned {
-                let m4 = _mm256_castps256_ps128(_mm256_permutevar8x32_ps(
-                    _mm512_castps512_ps256(dm),
-                    mins,
-                ));
-                summs = _mm_fmadd_ps(m4, _mm_set1_ps(a.s[i]), summs);
-            }
-        }
-        let mut m = [0f32; 4];
-        // SAFETY: `m` holds exactly four f32.
-        unsafe { _mm_storeu_ps(m.as_mut_ptr(), summs) };
-        let mut out = [0f32; 4];
-        for (p, pair) in acc.iter().enumerate() {
-            let mut all = [0f32; 16];
-            // SAFETY: `all` holds exactly sixteen f32.
-            unsafe { _mm512_storeu_ps(all.as_mut_ptr(), *pair) };
-            for half in 0..2 {
-                let mut l = [0f32; 8];
-                l.copy_from_slice(&all[half * 8..half * 8 + 8]);
-                let row = 2 * p + half;
-                out[row] = hsum8(l) + if unsigned { m[row] } else { 0.0 };
+                let ad = _mm512_set1_ps(a.d[i]);
+                for p in 0..2 {
+                    let prod = if unsigned {
+                        _mm512_dpbusd_epi32(_mm512_setzero_si512(), qx[p], qy)
+                    } else {
+                        let sy = _mm512_mask_sub_epi8(qy, negative[p], _mm512_setzero_si512(), qy);
+                        _mm512_dpbusd_epi32(_mm512_setzero_si512(), magnitude[p], sy)
+                    };
+                    let d = _mm512_mul_ps(scales[p], ad);
+                    acc[r][p] = _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(prod), acc[r][p]);
+                }
+                if unsigned {
+                    summs[r] = _mm_fmadd_ps(m4, _mm_set1_ps(a.s[i]), summs[r]);
+                }
             }
         }
-        out
+        for r in 0..R {
+            let mut m = [0f32; 4];
+            // SAFETY: `m` holds exactly four f32.
+            unsafe { _mm_storeu_ps(m.as_mut_ptr(), summs[r]) };
+            for (p, pair) in acc[r].iter().enumerate() {
+                let mut all = [0f32; 16];
+                // SAFETY: `all` holds exactly sixteen f32.
+                unsafe { _mm512_storeu_ps(all.as_mut_ptr(), *pair) };
+                for half in 0..2 {
+                    let mut l = [0f32; 8];
+                    l.copy_from_slice(&all[half * 8..half * 8 + 8]);
+                    let row = 2 * p + half;
+                    out[r][row] = hsum8(l) + if unsigned { m[row] } else { 0.0 };
+                }
+            }
+        }
+    }
+
+    /// [`packed_avx512`] for one activation row.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
+    fn dot4_avx512(w: [&[u8]; 4], a: &QuantizedRow, format: super::WeightFormat) -> [f32; 4] {
+        let mut out = [[0f32; 4]];
+        packed_avx512::<1>(w, std::slice::from_ref(a), format, &mut out);
+        out[0]
+    }
+
+    /// [`packed_avx512`] over any number of activation rows, four at a time.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
+    fn packed_rows_avx512(
+        w: [&[u8]; 4],
+        acts: &[QuantizedRow],
+        format: super::WeightFormat,
+        out: &mut [[f32; 4]],
+    ) {
+        let fours = acts.len() / 4 * 4;
+        for (a, o) in acts[..fours].chunks_exact(4).zip(out.chunks_exact_mut(4)) {
+            packed_avx512::<4>(w, a, format, o);
+        }
+        for (a, o) in acts[fours..].chunks(1).zip(out[fours..].chunks_mut(1)) {
+            packed_avx512::<1>(w, a, format, o);
+        }
+    }
+
+    pub(super) fn packed_512_q4_1(w: [&[u8]; 4], a: &[QuantizedRow], out: &mut [[f32; 4]]) {
+        // SAFETY: chosen only after `is_x86_feature_detected!` found avx512f, avx512bw and
+        // avx512vnni (which imply avx2, fma and f16c).
+        unsafe { packed_rows_avx512(w, a, super::WeightFormat::Q4_1, out) }
+    }
+
+    pub(super) fn packed_512_q4_0(w: [&[u8]; 4], a: &[QuantizedRow], out: &mut [[f32; 4]]) {
+        // SAFETY: as in `packed_512_q4_1`.
+        unsafe { packed_rows_avx512(w, a, super::WeightFormat::Q4_0, out) }
+    }
+
+    pub(super) fn packed_512_q8_0(w: [&[u8]; 4], a: &[QuantizedRow], out: &mut [[f32; 4]]) {
+        // SAFETY: as in `packed_512_q4_1`.
+        unsafe { packed_rows_avx512(w, a, super::WeightFormat::Q8_0, out) }
     }
 
     pub(super) fn dot4_512_q4_1(w: [&[u8]; 4], a: &QuantizedRow) -> [f32; 4] {
@@ -1185,9 +1273,16 @@ mod tests {
             assert_eq!(want[0], bits(portable), "{fmt:?} dot");
             let mut u = Unpacked::default();
             u.fill(fmt, [&w, &w, &w, &w]);
-            // Runs of 1, 4 and 6 activation rows (the wide kernel's groups and remainder).
+            // Runs of 1, 4 and 6 activation rows (the wide kernels' groups and remainder).
             for n in [1, 4, 6] {
                 let acts = vec![a.clone(); n];
+                if let Some(packed) = packed_tile_kernel(fmt) {
+                    let mut out = vec![[0f32; 4]; n];
+                    packed(quad, &acts, &mut out);
+                    for o in &out {
+                        assert_eq!(o.map(bits).to_vec(), want, "{fmt:?} packed tile of {n}");
+                    }
+                }
                 let mut kernels: Vec<Tile> = vec![tile_kernel(), tile_portable];
                 #[cfg(target_arch = "x86_64")]
                 if std::arch::is_x86_feature_detected!("avx2")

@@ -798,6 +798,29 @@ mod x86 {
         [0, 1, 2, 3].map(|r| hsum8(lanes(acc[r])) + if u.signed { 0.0 } else { summs[r] })
     }
 
+    /// The four outputs of two paired accumulators (rows 0-1, 2-3): each half reduced as
+    /// [`hsum8`] does, plus the row's `m · s` sum for Q4_1 (`with_mins`).
+    #[inline]
+    #[target_feature(enable = "avx512f")]
+    fn finish_rows(acc: [__m512; 2], summs: __m128, with_mins: bool) -> [f32; 4] {
+        let mut m = [0f32; 4];
+        // SAFETY: `m` holds exactly four f32.
+        unsafe { _mm_storeu_ps(m.as_mut_ptr(), summs) };
+        let mut out = [0f32; 4];
+        for (p, pair) in acc.iter().enumerate() {
+            let mut all = [0f32; 16];
+            // SAFETY: `all` holds exactly sixteen f32.
+            unsafe { _mm512_storeu_ps(all.as_mut_ptr(), *pair) };
+            for half in 0..2 {
+                let mut l = [0f32; 8];
+                l.copy_from_slice(&all[half * 8..half * 8 + 8]);
+                let row = 2 * p + half;
+                out[row] = hsum8(l) + if with_mins { m[row] } else { 0.0 };
+            }
+        }
+        out
+    }
+
     /// Four unpacked weight rows against `R` activation rows. Two weight rows share a
     /// 512-bit register (lanes 0..8 the first, 8..16 the second), each with exactly the
     /// integer lanes and fused multiply-adds of the 256-bit kernel; the weight blocks and
@@ -860,20 +883,7 @@ mod x86 {
             }
         }
         for r in 0..R {
-            let mut m = [0f32; 4];
-            // SAFETY: `m` holds exactly four f32.
-            unsafe { _mm_storeu_ps(m.as_mut_ptr(), summs[r]) };
-            for (p, pair) in acc[r].iter().enumerate() {
-                let mut all = [0f32; 16];
-                // SAFETY: `all` holds exactly sixteen f32.
-                unsafe { _mm512_storeu_ps(all.as_mut_ptr(), *pair) };
-                for half in 0..2 {
-                    let mut l = [0f32; 8];
-                    l.copy_from_slice(&all[half * 8..half * 8 + 8]);
-                    let row = 2 * p + half;
-                    out[r][row] = hsum8(l) + if u.signed { 0.0 } else { m[row] };
-                }
-            }
+            out[r] = finish_rows(acc[r], summs[r], !u.signed);
         }
     }
 
@@ -1000,20 +1010,7 @@ mod x86 {
             }
         }
         for r in 0..R {
-            let mut m = [0f32; 4];
-            // SAFETY: `m` holds exactly four f32.
-            unsafe { _mm_storeu_ps(m.as_mut_ptr(), summs[r]) };
-            for (p, pair) in acc[r].iter().enumerate() {
-                let mut all = [0f32; 16];
-                // SAFETY: `all` holds exactly sixteen f32.
-                unsafe { _mm512_storeu_ps(all.as_mut_ptr(), *pair) };
-                for half in 0..2 {
-                    let mut l = [0f32; 8];
-                    l.copy_from_slice(&all[half * 8..half * 8 + 8]);
-                    let row = 2 * p + half;
-                    out[r][row] = hsum8(l) + if unsigned { m[row] } else { 0.0 };
-                }
-            }
+            out[r] = finish_rows(acc[r], summs[r], unsigned);
         }
     }
 

@@ -314,7 +314,7 @@ fn tile_kernel() -> Tile {
     #[cfg(target_arch = "x86_64")]
     {
         use std::arch::is_x86_feature_detected as has;
-        if has!("avx512f") && has!("avx512bw") && has!("avx512vnni") {
+        if wide_kernels() {
             return x86::tile512;
         }
         if has!("avx2") && has!("fma") {
@@ -346,6 +346,19 @@ fn tile_portable_row(u: &Unpacked, a: &QuantizedRow) -> [f32; 4] {
     [0, 1, 2, 3].map(|r| hsum8(acc[r]) + if u.signed { 0.0 } else { summs[r] })
 }
 
+/// Whether the CPU runs the 512-bit kernels: AVX-512 F/BW/VNNI and the 256-bit features
+/// their helpers use (every such CPU has them; checked rather than assumed).
+#[cfg(target_arch = "x86_64")]
+fn wide_kernels() -> bool {
+    use std::arch::is_x86_feature_detected as has;
+    has!("avx512f")
+        && has!("avx512bw")
+        && has!("avx512vnni")
+        && has!("avx2")
+        && has!("fma")
+        && has!("f16c")
+}
+
 /// Four GGUF weight rows against a run of activation rows (`out[i]` for `acts[i]`),
 /// unpacking each weight block once in registers; exactly [`dot_kernel`]'s arithmetic.
 type PackedTile = fn([&[u8]; 4], &[QuantizedRow], &mut [[f32; 4]]);
@@ -354,8 +367,7 @@ type PackedTile = fn([&[u8]; 4], &[QuantizedRow], &mut [[f32; 4]]);
 fn packed_tile_kernel(format: WeightFormat) -> Option<PackedTile> {
     #[cfg(target_arch = "x86_64")]
     {
-        use std::arch::is_x86_feature_detected as has;
-        if has!("avx512f") && has!("avx512bw") && has!("avx512vnni") {
+        if wide_kernels() {
             return Some(match format {
                 WeightFormat::Q4_1 => x86::packed_512_q4_1,
                 WeightFormat::Q4_0 => x86::packed_512_q4_0,
@@ -374,8 +386,7 @@ type Dot4 = fn([&[u8]; 4], &QuantizedRow) -> [f32; 4];
 fn dot4_kernel(format: WeightFormat) -> Dot4 {
     #[cfg(target_arch = "x86_64")]
     {
-        use std::arch::is_x86_feature_detected as has;
-        if has!("avx512f") && has!("avx512bw") && has!("avx512vnni") {
+        if wide_kernels() {
             return match format {
                 WeightFormat::Q4_1 => x86::dot4_512_q4_1,
                 WeightFormat::Q4_0 => x86::dot4_512_q4_0,
@@ -1041,7 +1052,7 @@ mod x86 {
 
     pub(super) fn packed_512_q4_1(w: [&[u8]; 4], a: &[QuantizedRow], out: &mut [[f32; 4]]) {
         // SAFETY: chosen only after `is_x86_feature_detected!` found avx512f, avx512bw and
-        // avx512vnni (which imply avx2, fma and f16c).
+        // avx512vnni, avx2, fma and f16c (`wide_kernels`).
         unsafe { packed_rows_avx512(w, a, super::WeightFormat::Q4_1, out) }
     }
 
@@ -1057,7 +1068,7 @@ mod x86 {
 
     pub(super) fn dot4_512_q4_1(w: [&[u8]; 4], a: &QuantizedRow) -> [f32; 4] {
         // SAFETY: chosen only after `is_x86_feature_detected!` found avx512f, avx512bw and
-        // avx512vnni (which imply avx2, fma and f16c).
+        // avx512vnni, avx2, fma and f16c (`wide_kernels`).
         unsafe { dot4_avx512(w, a, super::WeightFormat::Q4_1) }
     }
 
@@ -1075,7 +1086,7 @@ mod x86 {
         let fours = a.len() / 4 * 4;
         for (a, out) in a[..fours].chunks_exact(4).zip(out.chunks_exact_mut(4)) {
             // SAFETY: chosen only after `is_x86_feature_detected!` found avx512f, avx512bw
-            // and avx512vnni (which imply avx2 and fma).
+            // avx512vnni, avx2, fma and f16c (`wide_kernels`).
             unsafe { tile_avx512::<4>(u, a, out) };
         }
         for (a, out) in a[fours..].chunks(1).zip(out[fours..].chunks_mut(1)) {

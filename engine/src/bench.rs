@@ -155,6 +155,27 @@ struct Load {
     waste_mean: f64,
 }
 
+impl Load {
+    /// A table row: `label`, throughput and its ratio to `single`'s, TTFT (with
+    /// `ttft_ratio`, also p90 over `single`'s), KV waste at the peak's first step and mean.
+    fn row(&self, label: &str, single: &Load, ttft_ratio: bool) -> String {
+        let ratio = if ttft_ratio {
+            format!(" {:.2}× |", self.ttft_p90 / single.ttft_p90.max(1e-9))
+        } else {
+            String::new()
+        };
+        format!(
+            "| {label} | {:.1} | {:.2}× | {:.2} s | {:.2} s |{ratio} {:.1} % / {:.1} % |",
+            self.tokens_per_s,
+            self.tokens_per_s / single.tokens_per_s.max(1e-9),
+            self.ttft_p50,
+            self.ttft_p90,
+            100.0 * self.waste_first,
+            100.0 * self.waste_mean
+        )
+    }
+}
+
 /// What one client saw: each request's time to first token (from its own submission) and
 /// tokens received.
 type ClientLog = Vec<(Option<f64>, usize)>;
@@ -180,21 +201,36 @@ fn run_load(
     // Client j + 1 starts when client j's first token arrives (staggered arrival only).
     let (go, wait): (Vec<_>, Vec<_>) = (0..clients).map(|_| std::sync::mpsc::channel()).unzip();
     let start = Instant::now();
+    // A burst is submitted here, before any client thread starts, so the engine sees every
+    // request at once; staggered clients submit their own.
+    let mut first_streams = Vec::with_capacity(clients);
+    for _ in 0..clients {
+        first_streams.push(match arrival {
+            Arrival::Burst => Some(engine.submit(prompt[..len].to_vec(), params.clone())?),
+            Arrival::Staggered { .. } => None,
+        });
+    }
     let logs: Vec<Result<ClientLog>> = std::thread::scope(|s| {
         let handles: Vec<_> = wait
             .into_iter()
+            .zip(first_streams)
             .enumerate()
-            .map(|(j, wait)| {
+            .map(|(j, (wait, mut submitted))| {
                 let mut next = go.get(j + 1).cloned();
                 let (engine, params, prompt) = (&engine, &params, &prompt[..len]);
                 s.spawn(move || -> Result<ClientLog> {
-                    if j > 0 && arrival != Arrival::Burst {
+                    if j > 0 && submitted.is_none() {
                         let _ = wait.recv();
                     }
                     let mut log = Vec::with_capacity(rounds);
                     for _ in 0..rounds {
-                        let sent = Instant::now();
-                        let mut stream = engine.submit(prompt.to_vec(), params.clone())?;
+                        let (sent, mut stream) = match submitted.take() {
+                            Some(stream) => (start, stream),
+                            None => (
+                                Instant::now(),
+                                engine.submit(prompt.to_vec(), params.clone())?,
+                            ),
+                        };
                         let (mut first, mut n) = (None, 0);
                         while let Some(ev) = stream.next_blocking() {
                             match ev {
@@ -290,27 +326,10 @@ fn batching(args: &BenchArgs, mut prompt: Vec<u32>) -> Result<()> {
     let mut single = None;
     for &c in &args.concurrency {
         let r = run_load(path, base.clone(), &prompt, c.max(1), Arrival::Burst, len)?;
-        let one = *single.get_or_insert(r.tokens_per_s);
-        println!(
-            "| {c} | {:.1} | {:.2}× | {:.2} s | {:.2} s | {:.1} % / {:.1} % |",
-            r.tokens_per_s,
-            r.tokens_per_s / one,
-            r.ttft_p50,
-            r.ttft_p90,
-            100.0 * r.waste_first,
-            100.0 * r.waste_mean
-        );
+        println!("{}", r.row(&c.to_string(), single.get_or_insert(r), false));
     }
-    println!(
-        "| naive: {} requests, --max-num-seqs 1 | {:.1} | {:.2}× | {:.2} s | {:.2} s | {:.1} % / {:.1} % |",
-        args.naive_requests,
-        naive.tokens_per_s,
-        naive.tokens_per_s / single.unwrap_or(naive.tokens_per_s),
-        naive.ttft_p50,
-        naive.ttft_p90,
-        100.0 * naive.waste_first,
-        100.0 * naive.waste_mean
-    );
+    let label = format!("naive: {} requests, --max-num-seqs 1", args.naive_requests);
+    println!("{}", naive.row(&label, &single.unwrap_or(naive), false));
     if args.rounds == 0 {
         return Ok(());
     }
@@ -328,17 +347,7 @@ fn batching(args: &BenchArgs, mut prompt: Vec<u32>) -> Result<()> {
             rounds: args.rounds,
         };
         let r = run_load(path, base.clone(), &prompt, c.max(1), arrival, len)?;
-        let one = *single.get_or_insert(r);
-        println!(
-            "| {c} | {:.1} | {:.2}× | {:.2} s | {:.2} s | {:.2}× | {:.1} % / {:.1} % |",
-            r.tokens_per_s,
-            r.tokens_per_s / one.tokens_per_s,
-            r.ttft_p50,
-            r.ttft_p90,
-            r.ttft_p90 / one.ttft_p90.max(1e-9),
-            100.0 * r.waste_first,
-            100.0 * r.waste_mean
-        );
+        println!("{}", r.row(&c.to_string(), single.get_or_insert(r), true));
     }
     Ok(())
 }

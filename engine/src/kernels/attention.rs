@@ -1,6 +1,7 @@
 //! Causal attention over a KV cache stored in blocks (the PagedAttention layout),
-//! following the shape of vLLM's CPU kernel: parallel over query × head, keys read
-//! block by block through the sequence's block list, online softmax, weighted sum of V.
+//! following the shape of vLLM's CPU kernel: parallel over token × KV head (the query heads
+//! sharing it together), keys read block by block through the sequence's block list, online
+//! softmax, weighted sum of V.
 //!
 //! The cache element decides the arithmetic. With an f32 cache everything is f32. With an
 //! f16 cache the kernel rounds as llama.cpp's CPU flash attention does — the query to f16,
@@ -182,24 +183,6 @@ pub struct HeadShape {
 /// split).
 pub const MAX_GROUP: usize = 4;
 
-/// Writes `out[i, h, :]` = softmax(q_i,h · K[0..=positions[i]] / sqrt(d)) · V for every
-/// query row `i` (`q` and `out` are `[len, heads * head_dim]`).
-pub fn paged_attention<T: KvElement>(
-    q: &[f32],
-    positions: &[usize],
-    keys: KvBlocks<'_, T>,
-    values: KvBlocks<'_, T>,
-    shape: HeadShape,
-    out: &mut [f32],
-) {
-    let seq = SeqKv {
-        keys,
-        values,
-        tokens: positions.len(),
-    };
-    paged_attention_batch(q, positions, &[seq], shape, out);
-}
-
 /// One sequence's share of a batched attention call: its cache and how many consecutive
 /// query rows of the batch are its tokens.
 #[derive(Debug, Clone, Copy)]
@@ -212,10 +195,11 @@ pub struct SeqKv<'a, T> {
     pub tokens: usize,
 }
 
-/// [`paged_attention`] for a whole step at once: the query rows of `seqs` follow each other
-/// in `q` (`[tokens, heads * head_dim]`) and `positions`, and every (token, head) of every
-/// sequence is one task of a single parallel pass, so a decode step of many short
-/// sequences costs one dispatch rather than one per sequence.
+/// Writes `out[i, h, :]` = softmax(q_i,h · K[0..=positions[i]] / sqrt(d)) · V for every
+/// query row `i` of a whole step (`q` and `out` are `[tokens, heads * head_dim]`), each row
+/// over the cache of the sequence it belongs to: the rows of `seqs` follow each other in
+/// `q` and `positions`, and every (token, KV head) of every sequence is one task of a single
+/// parallel pass, so a decode step of many short sequences costs one dispatch.
 pub fn paged_attention_batch<T: KvElement>(
     q: &[f32],
     positions: &[usize],
@@ -269,17 +253,15 @@ fn attention_with<T: KvElement>(
     } else {
         1
     };
-    let one = |unit: usize, o: &mut [f32]| {
+    let one = |qr: &mut Vec<f32>, unit: usize, o: &mut [f32]| {
         let row = unit * chunk;
         let (i, h) = (row / heads, row % heads);
         let kvh = h / group;
         let SeqKv { keys, values, .. } = seqs[owner[i]];
-        let qr: Vec<f32> = q[row * d..(row + chunk) * d]
-            .iter()
-            .map(|&x| T::round(x))
-            .collect();
+        qr.clear();
+        qr.extend(q[row * d..(row + chunk) * d].iter().map(|&x| T::round(x)));
         if let Some(kernel) = kernel {
-            kernel(&qr, keys, values, kvh * d, width, positions[i], scale, o);
+            kernel(qr, keys, values, kvh * d, width, positions[i], scale, o);
             return;
         }
         let acc = o;
@@ -288,7 +270,7 @@ fn attention_with<T: KvElement>(
         let (mut max, mut sum) = (f32::NEG_INFINITY, 0f32);
         for pos in 0..=positions[i] {
             T::widen(&keys.row(pos, width)[kvh * d..(kvh + 1) * d], &mut k32);
-            let s = dot(&qr, &k32) * scale;
+            let s = dot(qr, &k32) * scale;
             let (mut ms, mut vs) = (1f32, 1f32);
             if s > max {
                 ms = (max - s).exp();
@@ -311,9 +293,9 @@ fn attention_with<T: KvElement>(
     let units_per_task = rows_per_task.div_ceil(chunk);
     out.par_chunks_mut(units_per_task * chunk * d)
         .enumerate()
-        .for_each(|(t, part)| {
+        .for_each_init(Vec::new, |qr, (t, part)| {
             for (j, o) in part.chunks_mut(chunk * d).enumerate() {
-                one(t * units_per_task + j, o);
+                one(qr, t * units_per_task + j, o);
             }
         });
 }
@@ -542,6 +524,23 @@ mod tests {
             wide.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
             want.iter().map(|v| v.to_bits()).collect::<Vec<_>>()
         );
+    }
+
+    /// Attention of one sequence's query rows.
+    fn paged_attention<T: KvElement>(
+        q: &[f32],
+        positions: &[usize],
+        keys: KvBlocks<'_, T>,
+        values: KvBlocks<'_, T>,
+        shape: HeadShape,
+        out: &mut [f32],
+    ) {
+        let seq = SeqKv {
+            keys,
+            values,
+            tokens: positions.len(),
+        };
+        paged_attention_batch(q, positions, &[seq], shape, out);
     }
 
     fn naive(q: &[f32], k: &[f32], v: &[f32], pos: usize, d: usize) -> Vec<f32> {

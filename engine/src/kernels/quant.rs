@@ -95,13 +95,18 @@ impl QuantMatrix {
         self.data.len()
     }
 
-    /// `x` (`[m, cols]`, row-major) times the transposed weight: `[m, rows]`.
+    /// `x` (`[m, cols]`, row-major) times the transposed weight: `[m, rows]`. Decode steps
+    /// and short prefills split the weight rows among the threads, so every weight block is
+    /// unpacked once per call and reused for all activation rows; long prefills split the
+    /// activation rows instead, so a task's rows stay in cache while the weights stream
+    /// past. Each output is computed by the same arithmetic either way, so the split never
+    /// changes a result.
     pub fn matmul(&self, x: &[f32]) -> Vec<f32> {
         let m = x.len() / self.cols;
-        if m == 1 {
-            self.matvec(x)
+        if m <= WEIGHT_PARALLEL_MAX_ROWS {
+            self.matmat_by_weight_rows(x, m)
         } else {
-            self.matmat(x, m)
+            self.matmat_by_activation_rows(x, m)
         }
     }
 
@@ -114,52 +119,19 @@ impl QuantMatrix {
         &self.data[r * n..(r + 1) * n]
     }
 
-    /// One activation row (decode): tasks take groups of weight rows.
-    fn matvec(&self, x: &[f32]) -> Vec<f32> {
-        let a = quantize_row(x, self.format == WeightFormat::Q4_1);
-        let (dot, dot4) = (dot_kernel(self.format), dot4_kernel(self.format));
-        let mut out = vec![0f32; self.rows];
-        out.par_chunks_mut(ROWS_PER_TASK)
-            .enumerate()
-            .for_each(|(task, dst)| {
-                let first = task * ROWS_PER_TASK;
-                let quads = dst.len() / 4 * 4;
-                for r in (0..quads).step_by(4) {
-                    let w = [0, 1, 2, 3].map(|j| self.weight_row(first + r + j));
-                    dst[r..r + 4].copy_from_slice(&dot4(w, &a));
-                }
-                for (r, out) in dst.iter_mut().enumerate().skip(quads) {
-                    *out = dot(self.weight_row(first + r), &a);
-                }
-            });
-        out
-    }
-
-    /// Many activation rows. Batches (decode steps of many sequences, short prefills) split
-    /// the weight rows among the threads, so every weight block is unpacked once per call and
-    /// reused for all activation rows; long prefills split the activation rows instead, so a
-    /// task's rows stay in cache while the weights stream past. Each output is computed by
-    /// the same tile arithmetic either way, so the split never changes a result.
-    fn matmat(&self, x: &[f32], m: usize) -> Vec<f32> {
-        if m <= WEIGHT_PARALLEL_MAX_ROWS {
-            self.matmat_by_weight_rows(x, m)
-        } else {
-            self.matmat_by_activation_rows(x, m)
-        }
-    }
-
     fn matmat_by_weight_rows(&self, x: &[f32], m: usize) -> Vec<f32> {
-        let (dot, tile) = (dot_kernel(self.format), tile_kernel());
-        // Few rows: unpack each weight block in registers for all of them; more rows: unpack
-        // once into a buffer that every row then reads.
-        let packed = if m <= PACKED_MAX_ROWS {
-            packed_tile_kernel(self.format)
-        } else {
-            None
+        let dot = dot_kernel(self.format);
+        // How four weight rows meet the activation rows: unpacked in registers straight from
+        // the GGUF bytes where a kernel does that for many rows; a plain four-row dot product
+        // for one row; otherwise unpacked once into a buffer that every row then reads.
+        let quad = match packed_tile_kernel(self.format) {
+            Some(packed) if m <= PACKED_MAX_ROWS => Quad::Packed(packed),
+            _ if m == 1 => Quad::Single(dot4_kernel(self.format)),
+            _ => Quad::Buffered(tile_kernel()),
         };
         let with_sums = self.format == WeightFormat::Q4_1;
         let acts: Vec<QuantizedRow> = x
-            .par_chunks_exact(self.cols)
+            .chunks_exact(self.cols)
             .map(|row| quantize_row(row, with_sums))
             .collect();
         // Transposed result, `[rows][m]`: each task owns whole weight rows.
@@ -174,9 +146,10 @@ impl QuantMatrix {
                     let quads = n / 4 * 4;
                     for r in (0..quads).step_by(4) {
                         let w = [0, 1, 2, 3].map(|j| self.weight_row(first + r + j));
-                        match packed {
-                            Some(packed) => packed(w, &acts, tiles),
-                            None => {
+                        match quad {
+                            Quad::Packed(packed) => packed(w, &acts, tiles),
+                            Quad::Single(dot4) => tiles[0] = dot4(w, &acts[0]),
+                            Quad::Buffered(tile) => {
                                 unpacked.fill(self.format, w);
                                 tile(unpacked, &acts, tiles);
                             }
@@ -195,6 +168,9 @@ impl QuantMatrix {
                     }
                 },
             );
+        if m == 1 {
+            return t;
+        }
         let mut out = vec![0f32; m * self.rows];
         for (r, col) in t.chunks_exact(m).enumerate() {
             for (i, &v) in col.iter().enumerate() {
@@ -363,6 +339,17 @@ fn wide_kernels() -> bool {
 /// unpacking each weight block once in registers; exactly [`dot_kernel`]'s arithmetic.
 type PackedTile = fn([&[u8]; 4], &[QuantizedRow], &mut [[f32; 4]]);
 
+/// The kernel a weight-row task runs on each group of four weight rows.
+#[derive(Clone, Copy)]
+enum Quad {
+    /// Blocks unpacked in registers for all activation rows.
+    Packed(PackedTile),
+    /// One activation row.
+    Single(Dot4),
+    /// Blocks unpacked into an [`Unpacked`] buffer, then a tile over the rows.
+    Buffered(Tile),
+}
+
 /// The packed tile for `format`, where the CPU has one (AVX-512 VNNI).
 fn packed_tile_kernel(format: WeightFormat) -> Option<PackedTile> {
     #[cfg(target_arch = "x86_64")]
@@ -384,16 +371,6 @@ fn packed_tile_kernel(format: WeightFormat) -> Option<PackedTile> {
 type Dot4 = fn([&[u8]; 4], &QuantizedRow) -> [f32; 4];
 
 fn dot4_kernel(format: WeightFormat) -> Dot4 {
-    #[cfg(target_arch = "x86_64")]
-    {
-        if wide_kernels() {
-            return match format {
-                WeightFormat::Q4_1 => x86::dot4_512_q4_1,
-                WeightFormat::Q4_0 => x86::dot4_512_q4_0,
-                WeightFormat::Q8_0 => x86::dot4_512_q8_0,
-            };
-        }
-    }
     #[cfg(target_arch = "x86_64")]
     if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma") {
         return match format {
@@ -1025,14 +1002,6 @@ mod x86 {
         }
     }
 
-    /// [`packed_avx512`] for one activation row.
-    #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
-    fn dot4_avx512(w: [&[u8]; 4], a: &QuantizedRow, format: super::WeightFormat) -> [f32; 4] {
-        let mut out = [[0f32; 4]];
-        packed_avx512::<1>(w, std::slice::from_ref(a), format, &mut out);
-        out[0]
-    }
-
     /// [`packed_avx512`] over any number of activation rows, four at a time.
     #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
     fn packed_rows_avx512(
@@ -1051,7 +1020,7 @@ mod x86 {
     }
 
     pub(super) fn packed_512_q4_1(w: [&[u8]; 4], a: &[QuantizedRow], out: &mut [[f32; 4]]) {
-        // SAFETY: chosen only after `is_x86_feature_detected!` found avx512f, avx512bw and
+        // SAFETY: chosen only after `is_x86_feature_detected!` found avx512f, avx512bw,
         // avx512vnni, avx2, fma and f16c (`wide_kernels`).
         unsafe { packed_rows_avx512(w, a, super::WeightFormat::Q4_1, out) }
     }
@@ -1064,22 +1033,6 @@ mod x86 {
     pub(super) fn packed_512_q8_0(w: [&[u8]; 4], a: &[QuantizedRow], out: &mut [[f32; 4]]) {
         // SAFETY: as in `packed_512_q4_1`.
         unsafe { packed_rows_avx512(w, a, super::WeightFormat::Q8_0, out) }
-    }
-
-    pub(super) fn dot4_512_q4_1(w: [&[u8]; 4], a: &QuantizedRow) -> [f32; 4] {
-        // SAFETY: chosen only after `is_x86_feature_detected!` found avx512f, avx512bw and
-        // avx512vnni, avx2, fma and f16c (`wide_kernels`).
-        unsafe { dot4_avx512(w, a, super::WeightFormat::Q4_1) }
-    }
-
-    pub(super) fn dot4_512_q4_0(w: [&[u8]; 4], a: &QuantizedRow) -> [f32; 4] {
-        // SAFETY: as in `dot4_512_q4_1`.
-        unsafe { dot4_avx512(w, a, super::WeightFormat::Q4_0) }
-    }
-
-    pub(super) fn dot4_512_q8_0(w: [&[u8]; 4], a: &QuantizedRow) -> [f32; 4] {
-        // SAFETY: as in `dot4_512_q4_1`.
-        unsafe { dot4_avx512(w, a, super::WeightFormat::Q8_0) }
     }
 
     pub(super) fn tile512(u: &super::Unpacked, a: &[QuantizedRow], out: &mut [[f32; 4]]) {

@@ -57,13 +57,19 @@ impl KvCache for SingleSequence {
     fn attend(
         &mut self,
         layer: usize,
-        seq: &SeqSlice,
-        positions: &[usize],
+        batch: &Batch<'_>,
         q: &Tensor,
         k: &Tensor,
         v: &Tensor,
     ) -> Result<Tensor> {
-        let need = positions
+        let [seq] = batch.seqs else {
+            return Err(Error::InvalidParameter(format!(
+                "a single-sequence cache takes batches of one sequence, got {}",
+                batch.seqs.len()
+            )));
+        };
+        let need = batch
+            .positions
             .iter()
             .max()
             .map_or(0, |p| p / self.block_size + 1);
@@ -71,13 +77,16 @@ impl KvCache for SingleSequence {
             self.blocks = need;
             self.cache.set_tables(vec![(0..need as BlockId).collect()]);
         }
+        let seqs = [SeqSlice {
+            cache_slot: 0,
+            ..*seq
+        }];
         self.cache.attend(
             layer,
-            &SeqSlice {
-                cache_slot: 0,
-                ..*seq
+            &Batch {
+                seqs: &seqs,
+                ..*batch
             },
-            positions,
             q,
             k,
             v,
@@ -162,33 +171,51 @@ impl<T: KvElement> PagedKv<T> {
         }
         Ok(last / bs + 1)
     }
+}
 
-    /// Attention of `q` (`[tokens, heads, head_dim]`) for the sequences `seqs` (each with
-    /// the number of its blocks to read), whose rows follow each other in `q`.
-    fn attention(
-        &self,
+impl<T: KvElement> KvCache for PagedKv<T> {
+    fn attend(
+        &mut self,
         layer: usize,
-        seqs: &[(&SeqSlice, usize)],
-        positions: &[usize],
+        batch: &Batch<'_>,
         q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
     ) -> Result<Tensor> {
-        let (len, heads, head_dim) = q.dims3()?;
         let (bs, width) = (self.block_size, self.width);
-        let (ck, cv) = &self.layers[layer];
-        let span = |id: BlockId| id as usize * bs * width..(id as usize + 1) * bs * width;
-        type Lists<'b, T> = Vec<(Vec<&'b [T]>, Vec<&'b [T]>, usize)>;
-        let mut lists: Lists<'_, T> = Vec::with_capacity(seqs.len());
-        for &(seq, used) in seqs {
-            let table = &self.tables[seq.cache_slot][..used];
-            lists.push((
-                table.iter().map(|&id| &ck[span(id)]).collect(),
-                table.iter().map(|&id| &cv[span(id)]).collect(),
-                seq.len,
-            ));
+        let (kd, vd) = (to_f32_vec(k)?, to_f32_vec(v)?);
+        let mut used = Vec::with_capacity(batch.seqs.len());
+        for s in batch.seqs {
+            let rows = s.start * width..(s.start + s.len) * width;
+            let positions = &batch.positions[s.start..s.start + s.len];
+            used.push(self.store(layer, s, positions, &kd[rows.clone()], &vd[rows])?);
         }
-        let kv: Vec<SeqKv<'_, T>> = lists
+        let (len, heads, head_dim) = q.dims3()?;
+        let (ck, cv) = &self.layers[layer];
+        // Each sequence's block slices, then the views over them the kernel reads.
+        let tables: Vec<&[BlockId]> = batch
+            .seqs
             .iter()
-            .map(|(kb, vb, tokens)| SeqKv {
+            .zip(&used)
+            .map(|(s, &used)| &self.tables[s.cache_slot][..used])
+            .collect();
+        /// Every table's blocks as slices of `buf` (`block` elements each).
+        fn slices<'b, T>(buf: &'b [T], tables: &[&[BlockId]], block: usize) -> Vec<Vec<&'b [T]>> {
+            let span = |id: BlockId| id as usize * block..(id as usize + 1) * block;
+            tables
+                .iter()
+                .map(|t| t.iter().map(|&id| &buf[span(id)]).collect())
+                .collect()
+        }
+        let (kb, vb) = (
+            slices(ck, &tables, bs * width),
+            slices(cv, &tables, bs * width),
+        );
+        let kv: Vec<SeqKv<'_, T>> = kb
+            .iter()
+            .zip(&vb)
+            .zip(batch.seqs)
+            .map(|((kb, vb), s)| SeqKv {
                 keys: KvBlocks {
                     blocks: kb,
                     block_size: bs,
@@ -197,13 +224,13 @@ impl<T: KvElement> PagedKv<T> {
                     blocks: vb,
                     block_size: bs,
                 },
-                tokens: *tokens,
+                tokens: s.len,
             })
             .collect();
         let mut out = vec![0f32; len * heads * head_dim];
         paged_attention_batch(
             &to_f32_vec(q)?,
-            positions,
+            batch.positions,
             &kv,
             HeadShape {
                 heads,
@@ -213,44 +240,5 @@ impl<T: KvElement> PagedKv<T> {
             &mut out,
         );
         Ok(Tensor::from_vec(out, (len, heads * head_dim), q.device())?)
-    }
-}
-
-impl<T: KvElement> KvCache for PagedKv<T> {
-    fn attend(
-        &mut self,
-        layer: usize,
-        seq: &SeqSlice,
-        positions: &[usize],
-        q: &Tensor,
-        k: &Tensor,
-        v: &Tensor,
-    ) -> Result<Tensor> {
-        let used = self.store(layer, seq, positions, &to_f32_vec(k)?, &to_f32_vec(v)?)?;
-        let seq = SeqSlice {
-            len: positions.len(),
-            ..*seq
-        };
-        self.attention(layer, &[(&seq, used)], positions, q)
-    }
-
-    fn attend_batch(
-        &mut self,
-        layer: usize,
-        batch: &Batch<'_>,
-        q: &Tensor,
-        k: &Tensor,
-        v: &Tensor,
-    ) -> Result<Tensor> {
-        let width = self.width;
-        let (kd, vd) = (to_f32_vec(k)?, to_f32_vec(v)?);
-        let mut used = Vec::with_capacity(batch.seqs.len());
-        for s in batch.seqs {
-            let rows = s.start * width..(s.start + s.len) * width;
-            let positions = &batch.positions[s.start..s.start + s.len];
-            used.push(self.store(layer, s, positions, &kd[rows.clone()], &vd[rows])?);
-        }
-        let seqs: Vec<(&SeqSlice, usize)> = batch.seqs.iter().zip(used).collect();
-        self.attention(layer, &seqs, batch.positions, q)
     }
 }

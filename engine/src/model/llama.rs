@@ -34,48 +34,17 @@ pub struct Batch<'a> {
 
 /// Storage for keys and values between steps, and the attention that reads them.
 pub trait KvCache {
-    /// Stores `k`/`v` (`[len, kv_heads, head_dim]`) of `seq`'s new tokens in `layer`, then
-    /// returns causal attention of `q` (`[len, heads, head_dim]`) over all of the
-    /// sequence's keys so far, as `[len, heads * head_dim]`.
+    /// Stores `k`/`v` (`[tokens, kv_heads, head_dim]`) of every sequence of `batch` in
+    /// `layer`, then returns causal attention of `q` (`[tokens, heads, head_dim]`), each
+    /// token over its own sequence's keys so far, as `[tokens, heads * head_dim]`.
     fn attend(
-        &mut self,
-        layer: usize,
-        seq: &SeqSlice,
-        positions: &[usize],
-        q: &Tensor,
-        k: &Tensor,
-        v: &Tensor,
-    ) -> Result<Tensor>;
-
-    /// [`KvCache::attend`] for every sequence of `batch` at once (`q`, `k`, `v` hold all
-    /// the batch's tokens); returns `[tokens, heads * head_dim]`. Caches that can serve the
-    /// whole step in one pass override it.
-    fn attend_batch(
         &mut self,
         layer: usize,
         batch: &Batch<'_>,
         q: &Tensor,
         k: &Tensor,
         v: &Tensor,
-    ) -> Result<Tensor> {
-        let mut outs = Vec::with_capacity(batch.seqs.len());
-        for s in batch.seqs {
-            let positions = &batch.positions[s.start..s.start + s.len];
-            outs.push(self.attend(
-                layer,
-                s,
-                positions,
-                &q.narrow(0, s.start, s.len)?,
-                &k.narrow(0, s.start, s.len)?,
-                &v.narrow(0, s.start, s.len)?,
-            )?);
-        }
-        Ok(if outs.len() == 1 {
-            outs.remove(0)
-        } else {
-            Tensor::cat(&outs, 0)?
-        })
-    }
+    ) -> Result<Tensor>;
 }
 
 /// A projection, optionally with a bias (Qwen2's Q/K/V).
@@ -270,7 +239,7 @@ impl Llama {
             let q = self.rope(&b.q.forward(&y)?, batch.positions, c.num_heads)?;
             let k = self.rope(&b.k.forward(&y)?, batch.positions, c.num_kv_heads)?;
             let v = b.v.forward(&y)?.reshape((n, c.num_kv_heads, c.head_dim))?;
-            let attn = cache.attend_batch(layer, batch, &q, &k, &v)?;
+            let attn = cache.attend(layer, batch, &q, &k, &v)?;
             x = (x + b.o.forward(&attn)?)?;
             let y = rms_norm(&x, &b.ffn_norm, c.rms_norm_eps as f32)?;
             let mut act = to_f32_vec(&b.gate.forward(&y)?)?;

@@ -101,12 +101,7 @@ pub fn run(args: &BenchArgs) -> Result<()> {
     println!("| figure | value |");
     println!("|---|---|");
     println!("| model | {} |", loaded.path.display());
-    println!(
-        "| threads | {} |",
-        std::thread::available_parallelism()
-            .map(|n| n.get())
-            .unwrap_or(1)
-    );
+    println!("| threads | {} |", rayon::current_num_threads());
     println!(
         "| prompt processing ({} tokens) | {pp_best:.1} tok/s |",
         prompt.len()
@@ -307,17 +302,20 @@ fn batching(args: &BenchArgs, mut prompt: Vec<u32>) -> Result<()> {
     }
     let path = &args.model.model;
     let base = load_config(len);
-    let naive = run_load(
-        path,
-        EngineConfig {
-            max_num_seqs: 1,
-            ..base.clone()
-        },
-        &prompt,
-        args.naive_requests,
-        Arrival::Burst,
-        len,
-    )?;
+    let naive = match args.naive_requests {
+        0 => None,
+        n => Some(run_load(
+            path,
+            EngineConfig {
+                max_num_seqs: 1,
+                ..base.clone()
+            },
+            &prompt,
+            n,
+            Arrival::Burst,
+            len,
+        )?),
+    };
     println!();
     println!("Continuous batching, {len}-token prompts and {len} output tokens each (greedy, prefix caching off), all requests sent at once:");
     println!();
@@ -328,8 +326,10 @@ fn batching(args: &BenchArgs, mut prompt: Vec<u32>) -> Result<()> {
         let r = run_load(path, base.clone(), &prompt, c.max(1), Arrival::Burst, len)?;
         println!("{}", r.row(&c.to_string(), single.get_or_insert(r), false));
     }
-    let label = format!("naive: {} requests, --max-num-seqs 1", args.naive_requests);
-    println!("{}", naive.row(&label, &single.unwrap_or(naive), false));
+    if let Some(naive) = naive {
+        let label = format!("naive: {} requests, --max-num-seqs 1", args.naive_requests);
+        println!("{}", naive.row(&label, &single.unwrap_or(naive), false));
+    }
     if args.rounds == 0 {
         return Ok(());
     }

@@ -277,7 +277,7 @@ pub struct BenchArgs {
     /// Concurrent request counts for the batching table; empty skips it.
     #[arg(long, value_delimiter = ',', default_value = "1,4,16,64")]
     pub concurrency: Vec<usize>,
-    /// Requests for the naive baseline (one at a time, --max-num-seqs 1).
+    /// Requests for the naive baseline (one at a time, --max-num-seqs 1); 0 skips it.
     #[arg(long, default_value_t = 16)]
     pub naive_requests: usize,
     /// Prompt and output length of each batching request.

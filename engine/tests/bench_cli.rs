@@ -6,8 +6,9 @@ mod common;
 
 use std::process::Command;
 
-#[test]
-fn bench_prints_burst_and_steady_tables_with_a_row_per_concurrency() {
+/// Runs `ferrite-engine bench` on the default model with small sizes plus `extra`, and
+/// returns what it printed (failing the test if it failed).
+fn bench(extra: &[&str]) -> String {
     let out = Command::new(env!("CARGO_BIN_EXE_ferrite-engine"))
         .args(["bench", "--model"])
         .arg(common::default_model())
@@ -18,17 +19,31 @@ fn bench_prints_burst_and_steady_tables_with_a_row_per_concurrency() {
             "4",
             "--repeat",
             "1",
+            "--request-tokens",
+            "8",
         ])
-        .args(["--concurrency", "1,3", "--naive-requests", "2"])
-        .args(["--request-tokens", "8", "--rounds", "2"])
+        .args(extra)
         .output()
         .expect("runs");
-    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
     assert!(
         out.status.success(),
         "{stdout}\n{}",
         String::from_utf8_lossy(&out.stderr)
     );
+    stdout
+}
+
+#[test]
+fn bench_prints_burst_and_steady_tables_with_a_row_per_concurrency() {
+    let stdout = bench(&[
+        "--concurrency",
+        "1,3",
+        "--naive-requests",
+        "2",
+        "--rounds",
+        "2",
+    ]);
     for want in [
         "| prompt processing (24 tokens) |",
         "| single-stream decode (4 tokens) |",
@@ -48,6 +63,26 @@ fn bench_prints_burst_and_steady_tables_with_a_row_per_concurrency() {
             .lines()
             .filter(|l| l.starts_with("| 1 | "))
             .all(|l| l.contains("| 1.00× |")),
+        "{stdout}"
+    );
+}
+
+#[test]
+fn zero_naive_requests_and_zero_rounds_skip_those_rows() {
+    let stdout = bench(&[
+        "--concurrency",
+        "1",
+        "--naive-requests",
+        "0",
+        "--rounds",
+        "0",
+    ]);
+    assert!(stdout.contains("all requests sent at once"), "{stdout}");
+    assert!(!stdout.contains("naive"), "{stdout}");
+    assert!(!stdout.contains("Steady traffic"), "{stdout}");
+    assert_eq!(
+        stdout.lines().filter(|l| l.starts_with("| 1 | ")).count(),
+        1,
         "{stdout}"
     );
 }

@@ -343,9 +343,48 @@ mod avx512 {
         _mm512_cvtph_ps(_mm512_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(x))
     }
 
+    /// Positions handled per pass of [`heads_avx512`].
+    const CHUNK: usize = 16;
+
+    /// The online-softmax bookkeeping of one chunk, in position order: for each head and
+    /// position, the factor the accumulator is rescaled by (`ms`, with `rescale` set when
+    /// the position raised the maximum) and the weight of its value row (`vs`); updates the
+    /// running maximum and sum exactly as the single-position loop does. Kept out of line so
+    /// the `expf` calls happen with no vector registers live.
+    #[inline(never)]
+    fn softmax_chunk<const G: usize>(
+        scores: &[[f32; CHUNK]; G],
+        n: usize,
+        max: &mut [f32; G],
+        sum: &mut [f32; G],
+        ms: &mut [[f32; CHUNK]; G],
+        vs: &mut [[f32; CHUNK]; G],
+        rescale: &mut [[bool; CHUNK]; G],
+    ) {
+        for g in 0..G {
+            for j in 0..n {
+                let s = scores[g][j];
+                let raised = s > max[g];
+                let (m, v) = if raised {
+                    let m = (max[g] - s).exp();
+                    max[g] = s;
+                    (m, 1.0)
+                } else {
+                    (1.0, (s - max[g]).exp())
+                };
+                rescale[g][j] = raised;
+                ms[g][j] = m;
+                vs[g][j] = v;
+                sum[g] = sum[g].mul_add(m, v);
+            }
+        }
+    }
+
     /// `G` query heads of `16 N` values against one KV head. Each head's arithmetic is
-    /// exactly the single-head loop's; the heads only share the converted key and value rows,
-    /// and their independent chains fill each other's latencies.
+    /// exactly the single-head loop's; the heads only share the converted key and value rows.
+    /// Positions go in chunks of [`CHUNK`], each in three passes: the scores (independent dot
+    /// products, so they overlap), the scalar softmax bookkeeping with its `expf` calls, then
+    /// the value rows into accumulators that stay in registers.
     #[target_feature(enable = "avx512f")]
     #[allow(clippy::too_many_arguments)]
     fn heads_avx512<const N: usize, const G: usize>(
@@ -369,43 +408,61 @@ mod avx512 {
         }
         let mut acc = [[_mm512_setzero_ps(); N]; G];
         let (mut max, mut sum) = ([f32::NEG_INFINITY; G], [0f32; G]);
-        for pos in 0..=last {
-            let k = &keys.row(pos, width)[offset..offset + d];
-            let v = &values.row(pos, width)[offset..offset + d];
-            let mut kx = [_mm512_setzero_ps(); N];
-            let mut vx = [_mm512_setzero_ps(); N];
-            for j in 0..N {
-                kx[j] = load16(k, 16 * j);
-                vx[j] = load16(v, 16 * j);
-            }
-            for g in 0..G {
-                // ggml's f16 dot: four 16-lane chains over each 64 values, folded (0+2)+(1+3).
-                let mut lanes = [_mm512_setzero_ps(); 4];
-                for j in 0..N {
-                    lanes[j % 4] = _mm512_fmadd_ps(q[g][j], kx[j], lanes[j % 4]);
+        let mut scores = [[0f32; CHUNK]; G];
+        let (mut ms, mut vs) = ([[1f32; CHUNK]; G], [[0f32; CHUNK]; G]);
+        let mut rescale = [[false; CHUNK]; G];
+        let mut first = 0;
+        while first <= last {
+            let n = CHUNK.min(last + 1 - first);
+            for (j, pos) in (first..first + n).enumerate() {
+                let k = &keys.row(pos, width)[offset..offset + d];
+                let mut kx = [_mm512_setzero_ps(); N];
+                for (c, kx) in kx.iter_mut().enumerate() {
+                    *kx = load16(k, 16 * c);
                 }
-                let z = _mm512_add_ps(
-                    _mm512_add_ps(lanes[0], lanes[2]),
-                    _mm512_add_ps(lanes[1], lanes[3]),
-                );
-                let s = reduce16(z) * scale;
-                let (mut ms, mut vs) = (1f32, 1f32);
-                if s > max[g] {
-                    ms = (max[g] - s).exp();
-                    max[g] = s;
-                    let m = _mm512_set1_ps(ms);
-                    for a in &mut acc[g] {
-                        *a = round16(_mm512_mul_ps(*a, m));
+                for g in 0..G {
+                    // ggml's f16 dot: four 16-lane chains over each 64 values, folded
+                    // (0+2)+(1+3).
+                    let mut lanes = [_mm512_setzero_ps(); 4];
+                    for c in 0..N {
+                        lanes[c % 4] = _mm512_fmadd_ps(q[g][c], kx[c], lanes[c % 4]);
                     }
-                } else {
-                    vs = (s - max[g]).exp();
+                    let z = _mm512_add_ps(
+                        _mm512_add_ps(lanes[0], lanes[2]),
+                        _mm512_add_ps(lanes[1], lanes[3]),
+                    );
+                    scores[g][j] = reduce16(z) * scale;
                 }
-                let w = _mm512_set1_ps(vs);
-                for (a, v) in acc[g].iter_mut().zip(&vx) {
-                    *a = round16(_mm512_fmadd_ps(*v, w, *a));
-                }
-                sum[g] = sum[g].mul_add(ms, vs);
             }
+            softmax_chunk(
+                &scores,
+                n,
+                &mut max,
+                &mut sum,
+                &mut ms,
+                &mut vs,
+                &mut rescale,
+            );
+            for (j, pos) in (first..first + n).enumerate() {
+                let v = &values.row(pos, width)[offset..offset + d];
+                let mut vx = [_mm512_setzero_ps(); N];
+                for (c, vx) in vx.iter_mut().enumerate() {
+                    *vx = load16(v, 16 * c);
+                }
+                for g in 0..G {
+                    if rescale[g][j] {
+                        let m = _mm512_set1_ps(ms[g][j]);
+                        for a in &mut acc[g] {
+                            *a = round16(_mm512_mul_ps(*a, m));
+                        }
+                    }
+                    let w = _mm512_set1_ps(vs[g][j]);
+                    for (a, v) in acc[g].iter_mut().zip(&vx) {
+                        *a = round16(_mm512_fmadd_ps(*v, w, *a));
+                    }
+                }
+            }
+            first += n;
         }
         for g in 0..G {
             let inv = _mm512_set1_ps(if sum[g] == 0.0 { 0.0 } else { 1.0 / sum[g] });

@@ -51,8 +51,12 @@ fn f16_at(b: &[u8], at: usize) -> f32 {
     f16::from_le_bytes([b[at], b[at + 1]]).to_f32()
 }
 
-/// Weight rows each parallel task of a matrix-vector product computes.
+/// Fewest weight rows each parallel task of a small-batch product computes.
 const ROWS_PER_TASK: usize = 16;
+
+/// Tasks per thread a small-batch product aims for: enough to balance the threads, few
+/// enough that a large matrix (the vocabulary projection) is not cut into thousands.
+const TASKS_PER_THREAD: usize = 16;
 
 /// Most activation rows each parallel task of a matrix-matrix product computes; weights
 /// are re-read once per task, so blocks are large but still spread over every thread.
@@ -77,6 +81,24 @@ impl QuantMatrix {
             rows,
             cols,
             data: data.to_vec(),
+        })
+    }
+
+    /// The matrices' rows one after another, as one matrix (projections of the same input
+    /// computed in one pass); `None` unless all share a format and a width.
+    pub fn stack(parts: &[&QuantMatrix]) -> Option<Self> {
+        let first = parts.first()?;
+        if parts
+            .iter()
+            .any(|p| p.format != first.format || p.cols != first.cols)
+        {
+            return None;
+        }
+        Some(QuantMatrix {
+            format: first.format,
+            rows: parts.iter().map(|p| p.rows).sum(),
+            cols: first.cols,
+            data: parts.iter().flat_map(|p| p.data.iter().copied()).collect(),
         })
     }
 
@@ -134,49 +156,51 @@ impl QuantMatrix {
             .chunks_exact(self.cols)
             .map(|row| quantize_row(row, with_sums))
             .collect();
-        // Transposed result, `[rows][m]`: each task owns whole weight rows.
-        let mut t = vec![0f32; self.rows * m];
-        t.par_chunks_mut(ROWS_PER_TASK * m)
-            .enumerate()
-            .for_each_init(
-                || (Unpacked::default(), vec![[0f32; 4]; m]),
-                |(unpacked, tiles), (task, dst)| {
-                    let first = task * ROWS_PER_TASK;
-                    let n = dst.len() / m;
-                    let quads = n / 4 * 4;
-                    for r in (0..quads).step_by(4) {
-                        let w = [0, 1, 2, 3].map(|j| self.weight_row(first + r + j));
-                        match quad {
-                            Quad::Packed(packed) => packed(w, &acts, tiles),
-                            Quad::Single(dot4) => tiles[0] = dot4(w, &acts[0]),
-                            Quad::Buffered(tile) => {
-                                unpacked.fill(self.format, w);
-                                tile(unpacked, &acts, tiles);
-                            }
-                        }
-                        for (i, v) in tiles.iter().enumerate() {
-                            for (j, &v) in v.iter().enumerate() {
-                                dst[(r + j) * m + i] = v;
-                            }
-                        }
-                    }
-                    for r in quads..n {
-                        let w = self.weight_row(first + r);
-                        for (i, a) in acts.iter().enumerate() {
-                            dst[r * m + i] = dot(w, a);
-                        }
-                    }
-                },
-            );
-        if m == 1 {
-            return t;
-        }
+        // Each task owns a range of weight rows: its piece of every output row.
+        let per_task = ROWS_PER_TASK.max(
+            self.rows
+                .div_ceil(rayon::current_num_threads() * TASKS_PER_THREAD)
+                .next_multiple_of(4),
+        );
         let mut out = vec![0f32; m * self.rows];
-        for (r, col) in t.chunks_exact(m).enumerate() {
-            for (i, &v) in col.iter().enumerate() {
-                out[i * self.rows + r] = v;
+        let tasks = self.rows.div_ceil(per_task);
+        // Task-major: task `t`'s piece of output row `i` at `t * m + i`.
+        let mut pieces: Vec<&mut [f32]> = std::iter::repeat_with(Default::default)
+            .take(tasks * m)
+            .collect();
+        for (i, row) in out.chunks_mut(self.rows).enumerate() {
+            for (t, piece) in row.chunks_mut(per_task).enumerate() {
+                pieces[t * m + i] = piece;
             }
         }
+        pieces.par_chunks_mut(m).enumerate().for_each_init(
+            || (Unpacked::default(), vec![[0f32; 4]; m]),
+            |(unpacked, tiles), (task, dst)| {
+                let first = task * per_task;
+                let n = dst[0].len();
+                let quads = n / 4 * 4;
+                for r in (0..quads).step_by(4) {
+                    let w = [0, 1, 2, 3].map(|j| self.weight_row(first + r + j));
+                    match quad {
+                        Quad::Packed(packed) => packed(w, &acts, tiles),
+                        Quad::Single(dot4) => tiles[0] = dot4(w, &acts[0]),
+                        Quad::Buffered(tile) => {
+                            unpacked.fill(self.format, w);
+                            tile(unpacked, &acts, tiles);
+                        }
+                    }
+                    for (d, v) in dst.iter_mut().zip(tiles.iter()) {
+                        d[r..r + 4].copy_from_slice(v);
+                    }
+                }
+                for r in quads..n {
+                    let w = self.weight_row(first + r);
+                    for (d, a) in dst.iter_mut().zip(&acts) {
+                        d[r] = dot(w, a);
+                    }
+                }
+            },
+        );
         out
     }
 
@@ -911,26 +935,36 @@ mod x86 {
         _mm512_sub_epi8(z, _mm512_set1_epi8(shift))
     }
 
-    /// Four GGUF weight rows against `R` activation rows, two weight rows per 512-bit
-    /// register as in [`tile_avx512`], unpacking each block straight from the GGUF bytes
-    /// once for all `R` rows (no round trip through memory): the lanes, scales and fused
-    /// multiply-adds of every output are exactly the 256-bit kernel's.
+    /// Q4_0 weights, for the `F` parameter of [`packed_avx512`].
+    const FMT_Q4_0: u8 = 0;
+    /// Q4_1 weights (unsigned values and a minimum per block).
+    const FMT_Q4_1: u8 = 1;
+    /// Q8_0 weights.
+    const FMT_Q8_0: u8 = 2;
+
+    /// Four GGUF weight rows of format `F` against `R` activation rows, two weight rows per
+    /// 512-bit register as in [`tile_avx512`], unpacking each block straight from the GGUF
+    /// bytes once for all `R` rows (no round trip through memory): the lanes, scales and
+    /// fused multiply-adds of every output are exactly the 256-bit kernel's.
     #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
-    fn packed_avx512<const R: usize>(
+    fn packed_avx512<const F: u8, const R: usize>(
         w: [&[u8]; 4],
         acts: &[QuantizedRow],
-        format: super::WeightFormat,
         out: &mut [[f32; 4]],
     ) {
-        use super::WeightFormat;
-        let stride = format.block_bytes();
+        let stride = match F {
+            FMT_Q8_0 => super::WeightFormat::Q8_0,
+            FMT_Q4_1 => super::WeightFormat::Q4_1,
+            _ => super::WeightFormat::Q4_0,
+        }
+        .block_bytes();
+        let unsigned = F == FMT_Q4_1;
         assert!(acts.len() == R && out.len() == R);
         let nb = acts[0].d.len();
         assert!(w.iter().all(|r| r.len() == nb * stride));
         assert!(acts
             .iter()
             .all(|a| a.d.len() == nb && a.q.len() == nb * BLOCK));
-        let unsigned = format == WeightFormat::Q4_1;
         assert!(!unsigned || acts.iter().all(|a| a.s.len() == nb));
         // [d0 m0 d1 m1 d2 m2 d3 m3] -> [d0 x8, d1 x8] and [d2 x8, d3 x8]; m as four lanes.
         let pair01 = _mm512_set_epi32(2, 2, 2, 2, 2, 2, 2, 2, 0, 0, 0, 0, 0, 0, 0, 0);
@@ -950,19 +984,19 @@ mod x86 {
                     head(2) as i32,
                     head(3) as i32,
                 );
-                let qx = match format {
-                    WeightFormat::Q8_0 => [
+                let qx = match F {
+                    FMT_Q8_0 => [
                         row_pair_q8(w[0], w[1], at + 2),
                         row_pair_q8(w[2], w[3], at + 2),
                     ],
-                    _ => {
-                        let off = if unsigned { 4 } else { 2 };
-                        let shift = if unsigned { 0 } else { 8 };
-                        [
-                            row_pair_q4(w[0], w[1], at + off, shift),
-                            row_pair_q4(w[2], w[3], at + off, shift),
-                        ]
-                    }
+                    FMT_Q4_1 => [
+                        row_pair_q4(w[0], w[1], at + 4, 0),
+                        row_pair_q4(w[2], w[3], at + 4, 0),
+                    ],
+                    _ => [
+                        row_pair_q4(w[0], w[1], at + 2, 8),
+                        row_pair_q4(w[2], w[3], at + 2, 8),
+                    ],
                 };
                 (qx, heads)
             };
@@ -973,8 +1007,15 @@ mod x86 {
             ];
             let m4 =
                 _mm256_castps256_ps128(_mm256_permutevar8x32_ps(_mm512_castps512_ps256(dm), mins));
-            let negative = [_mm512_movepi8_mask(qx[0]), _mm512_movepi8_mask(qx[1])];
-            let magnitude = [_mm512_abs_epi8(qx[0]), _mm512_abs_epi8(qx[1])];
+            // Signed weights: |x| times sign(x)·y (there is no 512-bit sign instruction).
+            let (negative, magnitude) = if unsigned {
+                ([0; 2], qx)
+            } else {
+                (
+                    [_mm512_movepi8_mask(qx[0]), _mm512_movepi8_mask(qx[1])],
+                    [_mm512_abs_epi8(qx[0]), _mm512_abs_epi8(qx[1])],
+                )
+            };
             for r in 0..R {
                 let a = &acts[r];
                 // SAFETY: block `i` of each activation is 32 bytes inside its `q` (asserted).
@@ -983,12 +1024,12 @@ mod x86 {
                 };
                 let ad = _mm512_set1_ps(a.d[i]);
                 for p in 0..2 {
-                    let prod = if unsigned {
-                        _mm512_dpbusd_epi32(_mm512_setzero_si512(), qx[p], qy)
+                    let sy = if unsigned {
+                        qy
                     } else {
-                        let sy = _mm512_mask_sub_epi8(qy, negative[p], _mm512_setzero_si512(), qy);
-                        _mm512_dpbusd_epi32(_mm512_setzero_si512(), magnitude[p], sy)
+                        _mm512_mask_sub_epi8(qy, negative[p], _mm512_setzero_si512(), qy)
                     };
+                    let prod = _mm512_dpbusd_epi32(_mm512_setzero_si512(), magnitude[p], sy);
                     let d = _mm512_mul_ps(scales[p], ad);
                     acc[r][p] = _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(prod), acc[r][p]);
                 }
@@ -1004,35 +1045,30 @@ mod x86 {
 
     /// [`packed_avx512`] over any number of activation rows, four at a time.
     #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
-    fn packed_rows_avx512(
-        w: [&[u8]; 4],
-        acts: &[QuantizedRow],
-        format: super::WeightFormat,
-        out: &mut [[f32; 4]],
-    ) {
+    fn packed_rows_avx512<const F: u8>(w: [&[u8]; 4], acts: &[QuantizedRow], out: &mut [[f32; 4]]) {
         let fours = acts.len() / 4 * 4;
         for (a, o) in acts[..fours].chunks_exact(4).zip(out.chunks_exact_mut(4)) {
-            packed_avx512::<4>(w, a, format, o);
+            packed_avx512::<F, 4>(w, a, o);
         }
         for (a, o) in acts[fours..].chunks(1).zip(out[fours..].chunks_mut(1)) {
-            packed_avx512::<1>(w, a, format, o);
+            packed_avx512::<F, 1>(w, a, o);
         }
     }
 
     pub(super) fn packed_512_q4_1(w: [&[u8]; 4], a: &[QuantizedRow], out: &mut [[f32; 4]]) {
         // SAFETY: chosen only after `is_x86_feature_detected!` found avx512f, avx512bw,
         // avx512vnni, avx2, fma and f16c (`wide_kernels`).
-        unsafe { packed_rows_avx512(w, a, super::WeightFormat::Q4_1, out) }
+        unsafe { packed_rows_avx512::<FMT_Q4_1>(w, a, out) }
     }
 
     pub(super) fn packed_512_q4_0(w: [&[u8]; 4], a: &[QuantizedRow], out: &mut [[f32; 4]]) {
         // SAFETY: as in `packed_512_q4_1`.
-        unsafe { packed_rows_avx512(w, a, super::WeightFormat::Q4_0, out) }
+        unsafe { packed_rows_avx512::<FMT_Q4_0>(w, a, out) }
     }
 
     pub(super) fn packed_512_q8_0(w: [&[u8]; 4], a: &[QuantizedRow], out: &mut [[f32; 4]]) {
         // SAFETY: as in `packed_512_q4_1`.
-        unsafe { packed_rows_avx512(w, a, super::WeightFormat::Q8_0, out) }
+        unsafe { packed_rows_avx512::<FMT_Q8_0>(w, a, out) }
     }
 
     pub(super) fn tile512(u: &super::Unpacked, a: &[QuantizedRow], out: &mut [[f32; 4]]) {
@@ -1300,5 +1336,41 @@ mod tests {
     fn mismatched_sizes_are_refused() {
         assert!(QuantMatrix::from_gguf(WeightFormat::Q8_0, 2, 32, &[0u8; 10]).is_none());
         assert!(QuantMatrix::from_gguf(WeightFormat::Q8_0, 2, 30, &[0u8; 68]).is_none());
+    }
+
+    #[test]
+    fn a_stacked_matrix_gives_each_part_exactly_its_own_rows() {
+        // Parts of 9, 6 and 3 rows: quads straddle the parts' boundaries once stacked.
+        let part = |rows: usize, salt: usize| {
+            let w: Vec<Vec<f32>> = (0..rows)
+                .map(|r| {
+                    (0..64)
+                        .map(|c| ((r * 13 + c * 3 + salt) % 31) as f32 / 31.0 - 0.5)
+                        .collect()
+                })
+                .collect();
+            QuantMatrix::from_gguf(WeightFormat::Q4_1, rows, 64, &encode_q4_1(&w)).expect("sizes")
+        };
+        let parts = [part(9, 1), part(6, 2), part(3, 3)];
+        let stacked = QuantMatrix::stack(&parts.iter().collect::<Vec<_>>()).expect("same format");
+        assert_eq!((stacked.rows(), stacked.cols()), (18, 64));
+        for m in [1, 5, 40] {
+            let x: Vec<f32> = (0..m * 64)
+                .map(|i| ((i * 11) % 19) as f32 / 19.0 - 0.5)
+                .collect();
+            let all = stacked.matmul(&x);
+            let mut offset = 0;
+            for p in &parts {
+                let alone = p.matmul(&x);
+                for i in 0..m {
+                    let got = &all[i * 18 + offset..i * 18 + offset + p.rows()];
+                    assert_eq!(got, &alone[i * p.rows()..(i + 1) * p.rows()], "{m} rows");
+                }
+                offset += p.rows();
+            }
+        }
+        let q8 = QuantMatrix::from_gguf(WeightFormat::Q8_0, 1, 64, &[0u8; 68]).expect("sizes");
+        assert!(QuantMatrix::stack(&[&parts[0], &q8]).is_none());
+        assert!(QuantMatrix::stack(&[]).is_none());
     }
 }

@@ -9,6 +9,7 @@ use candle_core::{DType, Device, Tensor};
 use super::config::{Architecture, ModelConfig, RopeStyle};
 use super::weights::{Matmul, WeightName, WeightSource};
 use crate::error::{Error, Result};
+use crate::kernels::quant::QuantMatrix;
 
 /// One sequence's share of a flattened batch.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -64,16 +65,80 @@ impl Linear {
     }
 }
 
+/// Projections of one input (Q/K/V, or gate/up). Where they share one of our quantized
+/// formats they are stacked into one matrix, so a step quantizes the input once and runs
+/// one parallel pass instead of one per projection; each output row is computed exactly
+/// as it would be alone.
+#[derive(Debug, Clone)]
+enum Fanout {
+    /// One stacked matrix; `widths` are the parts' output features, in order.
+    Stacked {
+        weight: QuantMatrix,
+        widths: Vec<usize>,
+        biases: Vec<Option<Tensor>>,
+    },
+    /// Each projection on its own (candle formats).
+    Separate(Vec<Linear>),
+}
+
+impl Fanout {
+    fn new(parts: Vec<Linear>) -> Self {
+        let quant: Option<Vec<&QuantMatrix>> = parts
+            .iter()
+            .map(|l| match &l.weight {
+                Matmul::Quant(w) => Some(w),
+                Matmul::Candle(_) => None,
+            })
+            .collect();
+        match quant.as_deref().and_then(QuantMatrix::stack) {
+            Some(weight) => Fanout::Stacked {
+                weight,
+                widths: quant.iter().flatten().map(|w| w.rows()).collect(),
+                biases: parts.into_iter().map(|l| l.bias).collect(),
+            },
+            None => Fanout::Separate(parts),
+        }
+    }
+
+    /// Each projection of `x` (`[tokens, cols]`), in the order given to [`Fanout::new`].
+    fn forward(&self, x: &Tensor) -> Result<Vec<Tensor>> {
+        let (weight, widths, biases) = match self {
+            Fanout::Separate(parts) => return parts.iter().map(|l| l.forward(x)).collect(),
+            Fanout::Stacked {
+                weight,
+                widths,
+                biases,
+            } => (weight, widths, biases),
+        };
+        let (n, _) = x.dims2()?;
+        let y = weight.matmul(&x.flatten_all()?.to_vec1::<f32>()?);
+        let mut offset = 0;
+        let mut out = Vec::with_capacity(widths.len());
+        for (&w, bias) in widths.iter().zip(biases) {
+            let mut part = Vec::with_capacity(n * w);
+            for row in y.chunks_exact(weight.rows()) {
+                part.extend_from_slice(&row[offset..offset + w]);
+            }
+            let t = Tensor::from_vec(part, (n, w), x.device())?;
+            out.push(match bias {
+                Some(b) => t.broadcast_add(b)?,
+                None => t,
+            });
+            offset += w;
+        }
+        Ok(out)
+    }
+}
+
 #[derive(Debug, Clone)]
 struct Block {
     attn_norm: Tensor,
-    q: Linear,
-    k: Linear,
-    v: Linear,
+    /// Q, K and V.
+    qkv: Fanout,
     o: Linear,
     ffn_norm: Tensor,
-    gate: Linear,
-    up: Linear,
+    /// Gate and up.
+    gate_up: Fanout,
     down: Linear,
 }
 
@@ -118,13 +183,17 @@ impl Llama {
         for l in 0..c.num_layers {
             blocks.push(Block {
                 attn_norm: src.vector(WeightName::AttnNorm(l), h)?,
-                q: linear(src, WeightName::Q(l), c.num_heads * hd, h)?,
-                k: linear(src, WeightName::K(l), c.num_kv_heads * hd, h)?,
-                v: linear(src, WeightName::V(l), c.num_kv_heads * hd, h)?,
+                qkv: Fanout::new(vec![
+                    linear(src, WeightName::Q(l), c.num_heads * hd, h)?,
+                    linear(src, WeightName::K(l), c.num_kv_heads * hd, h)?,
+                    linear(src, WeightName::V(l), c.num_kv_heads * hd, h)?,
+                ]),
                 o: linear(src, WeightName::O(l), h, c.num_heads * hd)?,
                 ffn_norm: src.vector(WeightName::FfnNorm(l), h)?,
-                gate: linear(src, WeightName::Gate(l), c.intermediate_size, h)?,
-                up: linear(src, WeightName::Up(l), c.intermediate_size, h)?,
+                gate_up: Fanout::new(vec![
+                    linear(src, WeightName::Gate(l), c.intermediate_size, h)?,
+                    linear(src, WeightName::Up(l), c.intermediate_size, h)?,
+                ]),
                 down: linear(src, WeightName::Down(l), h, c.intermediate_size)?,
             });
         }
@@ -236,14 +305,16 @@ impl Llama {
         let mut x = self.embed.index_select(&ids, 0)?;
         for (layer, b) in self.blocks.iter().enumerate() {
             let y = rms_norm(&x, &b.attn_norm, c.rms_norm_eps as f32)?;
-            let q = self.rope(&b.q.forward(&y)?, batch.positions, c.num_heads)?;
-            let k = self.rope(&b.k.forward(&y)?, batch.positions, c.num_kv_heads)?;
-            let v = b.v.forward(&y)?.reshape((n, c.num_kv_heads, c.head_dim))?;
+            let [q, k, v] = projections(b.qkv.forward(&y)?)?;
+            let q = self.rope(&q, batch.positions, c.num_heads)?;
+            let k = self.rope(&k, batch.positions, c.num_kv_heads)?;
+            let v = v.reshape((n, c.num_kv_heads, c.head_dim))?;
             let attn = cache.attend(layer, batch, &q, &k, &v)?;
             x = (x + b.o.forward(&attn)?)?;
             let y = rms_norm(&x, &b.ffn_norm, c.rms_norm_eps as f32)?;
-            let mut act = to_f32_vec(&b.gate.forward(&y)?)?;
-            crate::kernels::activation::swiglu(&mut act, &to_f32_vec(&b.up.forward(&y)?)?);
+            let [gate, up] = projections(b.gate_up.forward(&y)?)?;
+            let mut act = to_f32_vec(&gate)?;
+            crate::kernels::activation::swiglu(&mut act, &to_f32_vec(&up)?);
             let act = Tensor::from_vec(act, (n, c.intermediate_size), &self.device)?;
             x = (x + b.down.forward(&act)?)?;
         }
@@ -259,6 +330,16 @@ impl Llama {
         let x = rms_norm(&x, &self.norm, c.rms_norm_eps as f32)?;
         Ok(self.lm_head.forward(&x)?.to_dtype(DType::F32)?)
     }
+}
+
+/// The `N` outputs of a [`Fanout`] as an array.
+fn projections<const N: usize>(parts: Vec<Tensor>) -> Result<[Tensor; N]> {
+    let got = parts.len();
+    parts.try_into().map_err(|_| {
+        Error::Tensor(candle_core::Error::Msg(format!(
+            "expected {N} projections, got {got}"
+        )))
+    })
 }
 
 /// RMSNorm with ggml's arithmetic: squares in f32 summed in f64, `1 / sqrt(mean + eps)` in

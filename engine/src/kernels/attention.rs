@@ -344,14 +344,133 @@ mod avx512 {
     }
 
     /// Positions handled per pass of [`heads_avx512`].
-    const CHUNK: usize = 16;
+    pub(super) const CHUNK: usize = 16;
+
+    /// glibc's `expf` (2.28 and later, the variant it picks on CPUs with FMA) eight lanes at
+    /// a time: the same 32-entry table of `2^(i/32)`, cubic polynomial in double precision,
+    /// fused multiply-adds and special cases, so every lane equals what libm returns (which
+    /// llama.cpp's softmax calls) bit for bit.
+    mod expf {
+        use std::arch::x86_64::*;
+
+        /// `32 / ln 2`.
+        const INV_LN2_N: u64 = 0x40471547652b82fe;
+        /// `1.5 · 2^52`: adding it rounds to an integer held in the low mantissa bits.
+        const SHIFT: u64 = 0x4338000000000000;
+        /// The polynomial's coefficients of `r^3`, `r^2` and `r`.
+        const C: [u64; 3] = [0x3ebc6af84b912394, 0x3f2ebfce50fac4f3, 0x3f962e42ff0c52d6];
+        /// `2^(i/32)` with `i << 47` subtracted from its bits.
+        const T: [u64; 32] = [
+            0x3ff0000000000000,
+            0x3fefd9b0d3158574,
+            0x3fefb5586cf9890f,
+            0x3fef9301d0125b51,
+            0x3fef72b83c7d517b,
+            0x3fef54873168b9aa,
+            0x3fef387a6e756238,
+            0x3fef1e9df51fdee1,
+            0x3fef06fe0a31b715,
+            0x3feef1a7373aa9cb,
+            0x3feedea64c123422,
+            0x3feece086061892d,
+            0x3feebfdad5362a27,
+            0x3feeb42b569d4f82,
+            0x3feeab07dd485429,
+            0x3feea47eb03a5585,
+            0x3feea09e667f3bcd,
+            0x3fee9f75e8ec5f74,
+            0x3feea11473eb0187,
+            0x3feea589994cce13,
+            0x3feeace5422aa0db,
+            0x3feeb737b0cdc5e5,
+            0x3feec49182a3f090,
+            0x3feed503b23e255d,
+            0x3feee89f995ad3ad,
+            0x3feeff76f2fb5e47,
+            0x3fef199bdd85529c,
+            0x3fef3720dcef9069,
+            0x3fef5818dcfba487,
+            0x3fef7c97337b9b5f,
+            0x3fefa4afa2a490da,
+            0x3fefd0765b6e4540,
+        ];
+        /// Above this (`log 2^128`) the result overflows to infinity.
+        const OVERFLOW: u32 = 0x42b17217;
+        /// Below this (`log 2^-150`) the result is zero.
+        const UNDERFLOW: u32 = 0xc2cff1b4;
+        /// Below this (`log 2^-149`) and not below [`UNDERFLOW`], the smallest subnormal.
+        const MAY_UNDERFLOW: u32 = 0xc2ce8ecf;
+
+        /// `expf` of each lane of `x`.
+        #[target_feature(enable = "avx512f")]
+        pub(super) fn expf8(x: __m256) -> __m256 {
+            // SAFETY: each load reads eight u64 at 0, 8, 16 or 24, inside the 32 of `T`.
+            let table = unsafe {
+                let t = T.as_ptr();
+                [
+                    _mm512_loadu_si512(t.cast()),
+                    _mm512_loadu_si512(t.add(8).cast()),
+                    _mm512_loadu_si512(t.add(16).cast()),
+                    _mm512_loadu_si512(t.add(24).cast()),
+                ]
+            };
+            let inv = _mm512_set1_pd(f64::from_bits(INV_LN2_N));
+            let shift = _mm512_set1_pd(f64::from_bits(SHIFT));
+            let xd = _mm512_cvtps_pd(x);
+            // k = round(x · 32/ln2) and r = x · 32/ln2 - k, each one fused multiply-add.
+            let kd = _mm512_fmadd_pd(inv, xd, shift);
+            let ki = _mm512_castpd_si512(kd);
+            let kd = _mm512_sub_pd(kd, shift);
+            let r = _mm512_fmsub_pd(inv, xd, kd);
+            // s = 2^(k/32): the table entry for k mod 32, k / 32 added to the exponent.
+            let idx = _mm512_and_si512(ki, _mm512_set1_epi64(31));
+            let low = _mm512_permutex2var_epi64(table[0], idx, table[1]);
+            let high = _mm512_permutex2var_epi64(table[2], idx, table[3]);
+            let upper = _mm512_test_epi64_mask(idx, _mm512_set1_epi64(16));
+            let t = _mm512_mask_blend_epi64(upper, low, high);
+            let s = _mm512_castsi512_pd(_mm512_add_epi64(t, _mm512_slli_epi64::<47>(ki)));
+            let c0 = _mm512_set1_pd(f64::from_bits(C[0]));
+            let c1 = _mm512_set1_pd(f64::from_bits(C[1]));
+            let c2 = _mm512_set1_pd(f64::from_bits(C[2]));
+            let z = _mm512_fmadd_pd(r, c0, c1);
+            let r2 = _mm512_mul_pd(r, r);
+            let y = _mm512_fmadd_pd(r, c2, _mm512_set1_pd(1.0));
+            let y = _mm512_mul_pd(_mm512_fmadd_pd(z, r2, y), s);
+            let out = _mm512_cvtpd_ps(y);
+            // The special cases glibc takes out of the main path.
+            let under = _mm256_set1_ps(f32::from_bits(UNDERFLOW));
+            let may_under = _mm256_set1_ps(f32::from_bits(MAY_UNDERFLOW));
+            let overflow = _mm256_set1_ps(f32::from_bits(OVERFLOW));
+            let zero = _mm256_cmp_ps::<_CMP_LT_OQ>(x, under);
+            let tiny = _mm256_andnot_ps(zero, _mm256_cmp_ps::<_CMP_LT_OQ>(x, may_under));
+            let over = _mm256_cmp_ps::<_CMP_GT_OQ>(x, overflow);
+            let nan = _mm256_cmp_ps::<_CMP_UNORD_Q>(x, x);
+            let out = _mm256_blendv_ps(out, _mm256_setzero_ps(), zero);
+            let out = _mm256_blendv_ps(out, _mm256_set1_ps(f32::from_bits(1)), tiny);
+            let out = _mm256_blendv_ps(out, _mm256_set1_ps(f32::INFINITY), over);
+            _mm256_blendv_ps(out, _mm256_add_ps(x, x), nan)
+        }
+
+        /// [`expf8`] over a chunk of arguments.
+        #[target_feature(enable = "avx512f")]
+        pub(super) fn expf_chunk(x: &[f32; super::CHUNK]) -> [f32; super::CHUNK] {
+            let mut out = [0f32; super::CHUNK];
+            for (o, x) in out.chunks_exact_mut(8).zip(x.chunks_exact(8)) {
+                // SAFETY: each chunk holds exactly eight f32; loads and stores are unaligned.
+                unsafe { _mm256_storeu_ps(o.as_mut_ptr(), expf8(_mm256_loadu_ps(x.as_ptr()))) };
+            }
+            out
+        }
+    }
 
     /// The online-softmax bookkeeping of one chunk, in position order: for each head and
     /// position, the factor the accumulator is rescaled by (`ms`, with `rescale` set when
     /// the position raised the maximum) and the weight of its value row (`vs`); updates the
-    /// running maximum and sum exactly as the single-position loop does. Kept out of line so
-    /// the `expf` calls happen with no vector registers live.
-    #[inline(never)]
+    /// running maximum and sum exactly as the single-position loop does. The exponentials'
+    /// arguments only depend on the running maximum, so they are found first and then
+    /// computed sixteen at a time.
+    #[inline]
+    #[target_feature(enable = "avx512f")]
     fn softmax_chunk<const G: usize>(
         scores: &[[f32; CHUNK]; G],
         n: usize,
@@ -362,17 +481,23 @@ mod avx512 {
         rescale: &mut [[bool; CHUNK]; G],
     ) {
         for g in 0..G {
-            for j in 0..n {
-                let s = scores[g][j];
-                let raised = s > max[g];
-                let (m, v) = if raised {
-                    let m = (max[g] - s).exp();
+            let mut args = [0f32; CHUNK];
+            for ((&s, arg), raised) in scores[g][..n].iter().zip(&mut args).zip(&mut rescale[g]) {
+                *raised = s > max[g];
+                if *raised {
+                    *arg = max[g] - s;
                     max[g] = s;
-                    (m, 1.0)
                 } else {
-                    (1.0, (s - max[g]).exp())
+                    *arg = s - max[g];
+                }
+            }
+            let e = expf::expf_chunk(&args);
+            for j in 0..n {
+                let (m, v) = if rescale[g][j] {
+                    (e[j], 1.0)
+                } else {
+                    (1.0, e[j])
                 };
-                rescale[g][j] = raised;
                 ms[g][j] = m;
                 vs[g][j] = v;
                 sum[g] = sum[g].mul_add(m, v);
@@ -383,8 +508,8 @@ mod avx512 {
     /// `G` query heads of `16 N` values against one KV head. Each head's arithmetic is
     /// exactly the single-head loop's; the heads only share the converted key and value rows.
     /// Positions go in chunks of [`CHUNK`], each in three passes: the scores (independent dot
-    /// products, so they overlap), the scalar softmax bookkeeping with its `expf` calls, then
-    /// the value rows into accumulators that stay in registers.
+    /// products, so they overlap), the softmax bookkeeping with its exponentials computed
+    /// sixteen at a time, then the value rows into accumulators that stay in registers.
     #[target_feature(enable = "avx512f")]
     #[allow(clippy::too_many_arguments)]
     fn heads_avx512<const N: usize, const G: usize>(
@@ -475,6 +600,13 @@ mod avx512 {
         }
     }
 
+    /// The vector `expf` on sixteen values, for tests.
+    #[cfg(test)]
+    pub(super) fn expf16(x: &[f32; CHUNK]) -> [f32; CHUNK] {
+        // SAFETY: tests call this only after detecting avx512f.
+        unsafe { expf::expf_chunk(x) }
+    }
+
     /// The query heads in `qr` (one to four of `16 N` values) against one KV head; see
     /// [`super::HeadKernel`].
     #[allow(clippy::too_many_arguments)]
@@ -541,6 +673,55 @@ fn reduce16(a: [f32; 16]) -> f32 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn vector_expf_equals_libm_bit_for_bit() {
+        if !std::arch::is_x86_feature_detected!("avx512f") {
+            return;
+        }
+        // The edges of glibc's special cases, zeros, infinities, NaN, subnormals, then every
+        // 4099th bit pattern of the whole float range.
+        let edges = [
+            0.0,
+            -0.0,
+            f32::NEG_INFINITY,
+            f32::INFINITY,
+            f32::NAN,
+            f32::MIN_POSITIVE,
+            -f32::MIN_POSITIVE,
+            f32::from_bits(1),
+            -f32::from_bits(1),
+            -88.0,
+            -87.5,
+            -1.0,
+            1.0,
+        ];
+        let near = [
+            0x42b17217u32,
+            0xc2cff1b4,
+            0xc2ce8ecf,
+            0x42b00000,
+            0xc2b00000,
+        ]
+        .into_iter()
+        .flat_map(|b| b - 2..=b + 2)
+        .map(f32::from_bits);
+        let sweep = (0..=u32::MAX).step_by(4099).map(f32::from_bits);
+        let all: Vec<f32> = edges.into_iter().chain(near).chain(sweep).collect();
+        for chunk in all.chunks(avx512::CHUNK) {
+            let mut x = [0f32; avx512::CHUNK];
+            x[..chunk.len()].copy_from_slice(chunk);
+            let got = avx512::expf16(&x);
+            for (&x, &got) in x.iter().zip(&got) {
+                let want = x.exp();
+                assert!(
+                    got.to_bits() == want.to_bits() || (got.is_nan() && want.is_nan()),
+                    "expf({x:e}) = {got:e}, libm says {want:e}"
+                );
+            }
+        }
+    }
 
     #[test]
     fn f16_conversions_match_the_half_crate_bit_for_bit() {

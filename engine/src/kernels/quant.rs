@@ -878,12 +878,16 @@ mod x86 {
     /// accumulator chains are independent, so the loop is bound by throughput, not latency.
     /// The `m · s` terms of the four rows advance together in one 128-bit fused multiply-add.
     #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma")]
-    fn tile_avx512<const R: usize>(u: &super::Unpacked, a: &[QuantizedRow], out: &mut [[f32; 4]]) {
+    fn tile_avx512<const SIGNED: bool, const R: usize>(
+        u: &super::Unpacked,
+        a: &[QuantizedRow],
+        out: &mut [[f32; 4]],
+    ) {
         assert!(a.len() == R && out.len() == R);
         let nb = a[0].d.len();
         assert!(u.q.len() >= nb * 4 && u.d.len() >= nb * 4 && u.m.len() >= nb * 4);
         assert!(a.iter().all(|a| a.d.len() == nb && a.q.len() == nb * BLOCK));
-        assert!(u.signed || a.iter().all(|a| a.s.len() == nb));
+        assert!(u.signed == SIGNED && (SIGNED || a.iter().all(|a| a.s.len() == nb)));
         let first_pair = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
         let second_pair = _mm512_set_epi32(3, 3, 3, 3, 3, 3, 3, 3, 2, 2, 2, 2, 2, 2, 2, 2);
         let mut acc = [[_mm512_setzero_ps(); 2]; R];
@@ -907,8 +911,14 @@ mod x86 {
                 _mm512_permutexvar_ps(second_pair, d4),
             ];
             // Signed weights: |x| times sign(x)·y (there is no 512-bit sign instruction).
-            let negative = [_mm512_movepi8_mask(qx[0]), _mm512_movepi8_mask(qx[1])];
-            let magnitude = [_mm512_abs_epi8(qx[0]), _mm512_abs_epi8(qx[1])];
+            let (negative, magnitude) = if SIGNED {
+                (
+                    [_mm512_movepi8_mask(qx[0]), _mm512_movepi8_mask(qx[1])],
+                    [_mm512_abs_epi8(qx[0]), _mm512_abs_epi8(qx[1])],
+                )
+            } else {
+                ([0; 2], qx)
+            };
             for r in 0..R {
                 // SAFETY: block `i` of row `r` is 32 bytes inside `q` (asserted above).
                 let qy = unsafe {
@@ -918,7 +928,7 @@ mod x86 {
                 };
                 let ad = _mm512_set1_ps(a[r].d[i]);
                 for p in 0..2 {
-                    let prod = if u.signed {
+                    let prod = if SIGNED {
                         let sy = _mm512_mask_sub_epi8(qy, negative[p], _mm512_setzero_si512(), qy);
                         _mm512_dpbusd_epi32(_mm512_setzero_si512(), magnitude[p], sy)
                     } else {
@@ -927,13 +937,13 @@ mod x86 {
                     let d = _mm512_mul_ps(scales[p], ad);
                     acc[r][p] = _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(prod), acc[r][p]);
                 }
-                if !u.signed {
+                if !SIGNED {
                     summs[r] = _mm_fmadd_ps(m4, _mm_set1_ps(a[r].s[i]), summs[r]);
                 }
             }
         }
         for r in 0..R {
-            out[r] = finish_rows(acc[r], summs[r], !u.signed);
+            out[r] = finish_rows(acc[r], summs[r], !SIGNED);
         }
     }
 
@@ -1110,15 +1120,28 @@ mod x86 {
     }
 
     pub(super) fn tile512(u: &super::Unpacked, a: &[QuantizedRow], out: &mut [[f32; 4]]) {
+        if u.signed {
+            tile_rows_512::<true>(u, a, out);
+        } else {
+            tile_rows_512::<false>(u, a, out);
+        }
+    }
+
+    /// [`tile_avx512`] over any number of activation rows, four at a time.
+    fn tile_rows_512<const SIGNED: bool>(
+        u: &super::Unpacked,
+        a: &[QuantizedRow],
+        out: &mut [[f32; 4]],
+    ) {
         let fours = a.len() / 4 * 4;
         for (a, out) in a[..fours].chunks_exact(4).zip(out.chunks_exact_mut(4)) {
             // SAFETY: chosen only after `is_x86_feature_detected!` found avx512f, avx512bw
             // avx512vnni, avx2, fma and f16c (`wide_kernels`).
-            unsafe { tile_avx512::<4>(u, a, out) };
+            unsafe { tile_avx512::<SIGNED, 4>(u, a, out) };
         }
         for (a, out) in a[fours..].chunks(1).zip(out[fours..].chunks_mut(1)) {
             // SAFETY: as above.
-            unsafe { tile_avx512::<1>(u, a, out) };
+            unsafe { tile_avx512::<SIGNED, 1>(u, a, out) };
         }
     }
 

@@ -51,9 +51,9 @@ fn f16_at(b: &[u8], at: usize) -> f32 {
     f16::from_le_bytes([b[at], b[at + 1]]).to_f32()
 }
 
-/// How many groups of four weight rows ahead a small-batch product asks the memory system
-/// for: the weights stream from memory once per step, and the hardware prefetcher alone
-/// leaves the kernels waiting on them.
+/// How many groups of four weight rows ahead a quantized product asks the memory system
+/// for: the weights stream from memory once per step (once per task in a long prefill), and
+/// the hardware prefetcher alone leaves the kernels waiting on them.
 const PREFETCH_QUADS: usize = 4;
 
 /// Asks for `bytes` to be brought into the cache ahead of their use (a hint: no effect on
@@ -594,14 +594,14 @@ fn dot_q8_0(w: &[u8], a: &QuantizedRow) -> f32 {
 mod x86 {
     use std::arch::x86_64::*;
 
+    use super::{f16_at, hsum8, QuantizedRow, BLOCK};
+
     /// Prefetches the cache line holding the start of `line` into every cache level.
     #[inline]
     pub(super) fn prefetch_line(line: &[u8]) {
         // SAFETY: a prefetch is a hint that never faults, and SSE is part of every x86-64.
         unsafe { _mm_prefetch::<_MM_HINT_T0>(line.as_ptr().cast()) }
     }
-
-    use super::{f16_at, hsum8, QuantizedRow, BLOCK};
 
     /// Eight f32 lanes of a vector.
     #[inline(always)]

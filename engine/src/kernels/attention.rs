@@ -36,11 +36,35 @@ pub trait KvElement: Copy + Default + Send + Sync + std::fmt::Debug + 'static {
 }
 
 /// Attention of the query heads that share one KV head (1 to [`MAX_GROUP`] of them, each
-/// `head_dim` values) over positions `0..=last`: the rounded queries side by side, the
-/// sequence's keys and values, the KV head's offset within a row and the row width, the
-/// score scale; writes the heads' outputs side by side.
-pub type HeadKernel<T> =
-    fn(&[f32], KvBlocks<'_, T>, KvBlocks<'_, T>, usize, usize, usize, f32, &mut [f32]);
+/// `head_dim` values) over positions `0..=job.last`: reads the rounded queries side by side,
+/// writes the heads' outputs side by side.
+pub type HeadKernel<T> = fn(&[f32], HeadJob<'_, T>, &mut [f32]);
+
+/// What a head kernel reads besides the queries.
+#[derive(Debug, Clone, Copy)]
+pub struct HeadJob<'a, T> {
+    /// The sequence's keys in this layer.
+    pub keys: KvBlocks<'a, T>,
+    /// The sequence's values in this layer.
+    pub values: KvBlocks<'a, T>,
+    /// Where the KV head's values start within a cache row.
+    pub offset: usize,
+    /// Values per cache row (every KV head's).
+    pub width: usize,
+    /// The last position attended to.
+    pub last: usize,
+    /// The factor applied to each q·k.
+    pub scale: f32,
+}
+
+/// Buffers a task reuses from one (token, KV head) unit to the next: the rounded queries,
+/// and for the portable loop the widened key and value rows and the rounding scratch.
+struct Scratch<T> {
+    q: Vec<f32>,
+    k: Vec<f32>,
+    v: Vec<f32>,
+    round: Vec<T>,
+}
 
 impl KvElement for f32 {
     fn from_f32(x: f32) -> Self {
@@ -253,58 +277,87 @@ fn attention_with<T: KvElement>(
     } else {
         1
     };
-    let one = |qr: &mut Vec<f32>, unit: usize, o: &mut [f32]| {
+    let one = |scratch: &mut Scratch<T>, unit: usize, o: &mut [f32]| {
         let row = unit * chunk;
         let (i, h) = (row / heads, row % heads);
-        let kvh = h / group;
         let SeqKv { keys, values, .. } = seqs[owner[i]];
-        qr.clear();
-        qr.extend(q[row * d..(row + chunk) * d].iter().map(|&x| T::round(x)));
-        if let Some(kernel) = kernel {
-            kernel(qr, keys, values, kvh * d, width, positions[i], scale, o);
-            return;
+        scratch.q.clear();
+        scratch
+            .q
+            .extend(q[row * d..(row + chunk) * d].iter().map(|&x| T::round(x)));
+        let job = HeadJob {
+            keys,
+            values,
+            offset: h / group * d,
+            width,
+            last: positions[i],
+            scale,
+        };
+        match kernel {
+            Some(kernel) => kernel(&scratch.q, job, o),
+            None => portable_head(job, o, scratch),
         }
-        let acc = o;
-        acc.iter_mut().for_each(|a| *a = 0.0);
-        let (mut k32, mut v32, mut scratch) = (vec![0f32; d], vec![0f32; d], vec![T::default(); d]);
-        let (mut max, mut sum) = (f32::NEG_INFINITY, 0f32);
-        for pos in 0..=positions[i] {
-            T::widen(&keys.row(pos, width)[kvh * d..(kvh + 1) * d], &mut k32);
-            let s = dot(qr, &k32) * scale;
-            let (mut ms, mut vs) = (1f32, 1f32);
-            if s > max {
-                ms = (max - s).exp();
-                max = s;
-                acc.iter_mut().for_each(|a| *a *= ms);
-                T::round_slice(acc, &mut scratch);
-            } else {
-                vs = (s - max).exp();
-            }
-            T::widen(&values.row(pos, width)[kvh * d..(kvh + 1) * d], &mut v32);
-            for (a, &x) in acc.iter_mut().zip(&v32) {
-                *a = x.mul_add(vs, *a);
-            }
-            T::round_slice(acc, &mut scratch);
-            sum = sum.mul_add(ms, vs);
-        }
-        let inv = if sum == 0.0 { 0.0 } else { 1.0 / sum };
-        acc.iter_mut().for_each(|a| *a *= inv);
     };
     let units_per_task = rows_per_task.div_ceil(chunk);
+    let scratch = || Scratch {
+        q: Vec::new(),
+        k: vec![0f32; d],
+        v: vec![0f32; d],
+        round: vec![T::default(); d],
+    };
     out.par_chunks_mut(units_per_task * chunk * d)
         .enumerate()
-        .for_each_init(Vec::new, |qr, (t, part)| {
+        .for_each_init(scratch, |scratch, (t, part)| {
             for (j, o) in part.chunks_mut(chunk * d).enumerate() {
-                one(qr, t * units_per_task + j, o);
+                one(scratch, t * units_per_task + j, o);
             }
         });
+}
+
+/// One query head (`scratch.q`) over its KV head, one position at a time: the portable loop
+/// that every vector kernel must equal bit for bit. Writes the head's output to `acc`.
+fn portable_head<T: KvElement>(job: HeadJob<'_, T>, acc: &mut [f32], scratch: &mut Scratch<T>) {
+    let HeadJob {
+        keys,
+        values,
+        offset,
+        width,
+        last,
+        scale,
+    } = job;
+    let d = acc.len();
+    let Scratch { q, k, v, round } = scratch;
+    acc.iter_mut().for_each(|a| *a = 0.0);
+    let (mut max, mut sum) = (f32::NEG_INFINITY, 0f32);
+    for pos in 0..=last {
+        T::widen(&keys.row(pos, width)[offset..offset + d], k);
+        let s = dot(q, k) * scale;
+        let (mut ms, mut vs) = (1f32, 1f32);
+        if s > max {
+            ms = (max - s).exp();
+            max = s;
+            acc.iter_mut().for_each(|a| *a *= ms);
+            T::round_slice(acc, round);
+        } else {
+            vs = (s - max).exp();
+        }
+        T::widen(&values.row(pos, width)[offset..offset + d], v);
+        for (a, &x) in acc.iter_mut().zip(v.iter()) {
+            *a = x.mul_add(vs, *a);
+        }
+        T::round_slice(acc, round);
+        sum = sum.mul_add(ms, vs);
+    }
+    let inv = if sum == 0.0 { 0.0 } else { 1.0 / sum };
+    acc.iter_mut().for_each(|a| *a *= inv);
 }
 
 /// The f16-cache head kernel with AVX-512: the query, the V accumulator and each key and
 /// value row live in `N` 16-lane registers (`head_dim = 16 N`), converted with the F16C
 /// instructions straight from the cache. Every operation is the portable loop's — the same
-/// q·k lanes and reduction tree as [`dot`], the same scalar online softmax, fused
-/// multiply-adds and f16 rounding of the accumulator — so results are bit for bit equal.
+/// q·k lanes and reduction tree as [`dot`], the same online softmax (its exponentials by a
+/// vector copy of glibc's `expf`), fused multiply-adds and f16 rounding of the accumulator —
+/// so results are bit for bit equal.
 #[cfg(target_arch = "x86_64")]
 #[allow(unsafe_code)]
 mod avx512 {
@@ -312,7 +365,7 @@ mod avx512 {
 
     use half::f16;
 
-    use super::KvBlocks;
+    use super::HeadJob;
 
     /// `_mm512_reduce_add_ps` as GCC expands it (see `reduce16`).
     #[inline]
@@ -511,17 +564,19 @@ mod avx512 {
     /// products, so they overlap), the softmax bookkeeping with its exponentials computed
     /// sixteen at a time, then the value rows into accumulators that stay in registers.
     #[target_feature(enable = "avx512f")]
-    #[allow(clippy::too_many_arguments)]
     fn heads_avx512<const N: usize, const G: usize>(
         qr: &[f32],
-        keys: KvBlocks<'_, f16>,
-        values: KvBlocks<'_, f16>,
-        offset: usize,
-        width: usize,
-        last: usize,
-        scale: f32,
+        job: HeadJob<'_, f16>,
         out: &mut [f32],
     ) {
+        let HeadJob {
+            keys,
+            values,
+            offset,
+            width,
+            last,
+            scale,
+        } = job;
         let d = 16 * N;
         assert!(qr.len() == G * d && out.len() == G * d);
         let mut q = [[_mm512_setzero_ps(); N]; G];
@@ -609,17 +664,7 @@ mod avx512 {
 
     /// The query heads in `qr` (one to four of `16 N` values) against one KV head; see
     /// [`super::HeadKernel`].
-    #[allow(clippy::too_many_arguments)]
-    pub(super) fn heads<const N: usize>(
-        qr: &[f32],
-        keys: KvBlocks<'_, f16>,
-        values: KvBlocks<'_, f16>,
-        offset: usize,
-        width: usize,
-        last: usize,
-        scale: f32,
-        out: &mut [f32],
-    ) {
+    pub(super) fn heads<const N: usize>(qr: &[f32], job: HeadJob<'_, f16>, out: &mut [f32]) {
         let kernel = match qr.len() / (16 * N) {
             1 => heads_avx512::<N, 1>,
             2 => heads_avx512::<N, 2>,
@@ -632,7 +677,7 @@ mod avx512 {
         };
         // SAFETY: chosen by `head_kernel` only after `is_x86_feature_detected!` found avx512f
         // (which brings the 512-bit f16 conversions).
-        unsafe { kernel(qr, keys, values, offset, width, last, scale, out) }
+        unsafe { kernel(qr, job, out) }
     }
 }
 

@@ -152,14 +152,24 @@ impl QuantMatrix {
         self.cols / BLOCK * self.format.block_bytes()
     }
 
-    /// Prefetches weight rows `from..to` (clamped to the matrix; none if empty).
-    fn prefetch_rows(&self, from: usize, to: usize) {
-        let to = to.min(self.rows);
+    /// Prefetches weight rows `from..to` (clamped to `end`; none if empty).
+    fn prefetch_rows(&self, from: usize, to: usize, end: usize) {
+        let to = to.min(end);
         if from >= to {
             return;
         }
         let n = self.row_bytes();
         prefetch(&self.data[from * n..to * n]);
+    }
+
+    /// The first rows of the groups of four weight rows in `from..to` (which hold whole
+    /// groups), each group's rows prefetched [`PREFETCH_QUADS`] groups before it is reached.
+    fn quads(&self, from: usize, to: usize) -> impl Iterator<Item = usize> + '_ {
+        let ahead = 4 * PREFETCH_QUADS;
+        self.prefetch_rows(from, from + ahead, to);
+        (from..to).step_by(4).inspect(move |&r| {
+            self.prefetch_rows(r + ahead, r + ahead + 4, to);
+        })
     }
 
     fn weight_row(&self, r: usize) -> &[u8] {
@@ -205,11 +215,9 @@ impl QuantMatrix {
                 let first = task * per_task;
                 let n = dst[0].len();
                 let quads = n / 4 * 4;
-                self.prefetch_rows(first, first + 4 * PREFETCH_QUADS);
-                for r in (0..quads).step_by(4) {
-                    let ahead = first + r + 4 * PREFETCH_QUADS;
-                    self.prefetch_rows(ahead, (ahead + 4).min(first + n));
-                    let w = [0, 1, 2, 3].map(|j| self.weight_row(first + r + j));
+                for row in self.quads(first, first + quads) {
+                    let r = row - first;
+                    let w = [0, 1, 2, 3].map(|j| self.weight_row(row + j));
                     match quad {
                         Quad::Packed(packed) => packed(w, &acts, tiles),
                         Quad::Single(dot4) => tiles[0] = dot4(w, &acts[0]),
@@ -247,9 +255,7 @@ impl QuantMatrix {
                     .collect();
                 let quads = self.rows / 4 * 4;
                 let mut tiles = vec![[0f32; 4]; acts.len()];
-                self.prefetch_rows(0, 4 * PREFETCH_QUADS);
-                for r in (0..quads).step_by(4) {
-                    self.prefetch_rows(r + 4 * PREFETCH_QUADS, r + 4 * PREFETCH_QUADS + 4);
+                for r in self.quads(0, quads) {
                     unpacked.fill(self.format, [0, 1, 2, 3].map(|j| self.weight_row(r + j)));
                     tile(unpacked, &acts, &mut tiles);
                     for (i, v) in tiles.iter().enumerate() {

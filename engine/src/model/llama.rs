@@ -71,11 +71,10 @@ impl Linear {
 /// as it would be alone.
 #[derive(Debug, Clone)]
 enum Fanout {
-    /// One stacked matrix; `widths` are the parts' output features, in order.
+    /// One stacked matrix, and each part's output features and bias, in order.
     Stacked {
-        weight: QuantMatrix,
-        widths: Vec<usize>,
-        biases: Vec<Option<Tensor>>,
+        weight: Matmul,
+        parts: Vec<(usize, Option<Tensor>)>,
     },
     /// Each projection on its own (candle formats).
     Separate(Vec<Linear>),
@@ -92,9 +91,13 @@ impl Fanout {
             .collect();
         match quant.as_deref().and_then(QuantMatrix::stack) {
             Some(weight) => Fanout::Stacked {
-                weight,
-                widths: quant.iter().flatten().map(|w| w.rows()).collect(),
-                biases: parts.into_iter().map(|l| l.bias).collect(),
+                weight: Matmul::Quant(weight),
+                parts: quant
+                    .iter()
+                    .flatten()
+                    .map(|w| w.rows())
+                    .zip(parts.iter().map(|l| l.bias.clone()))
+                    .collect(),
             },
             None => Fanout::Separate(parts),
         }
@@ -102,29 +105,20 @@ impl Fanout {
 
     /// Each projection of `x` (`[tokens, cols]`), in the order given to [`Fanout::new`].
     fn forward(&self, x: &Tensor) -> Result<Vec<Tensor>> {
-        let (weight, widths, biases) = match self {
+        let (weight, parts) = match self {
             Fanout::Separate(parts) => return parts.iter().map(|l| l.forward(x)).collect(),
-            Fanout::Stacked {
-                weight,
-                widths,
-                biases,
-            } => (weight, widths, biases),
+            Fanout::Stacked { weight, parts } => (weight, parts),
         };
-        let (n, _) = x.dims2()?;
-        let y = weight.matmul(&x.flatten_all()?.to_vec1::<f32>()?);
+        let y = weight.forward(x)?;
         let mut offset = 0;
-        let mut out = Vec::with_capacity(widths.len());
-        for (&w, bias) in widths.iter().zip(biases) {
-            let mut part = Vec::with_capacity(n * w);
-            for row in y.chunks_exact(weight.rows()) {
-                part.extend_from_slice(&row[offset..offset + w]);
-            }
-            let t = Tensor::from_vec(part, (n, w), x.device())?;
+        let mut out = Vec::with_capacity(parts.len());
+        for (width, bias) in parts {
+            let part = y.narrow(1, offset, *width)?.contiguous()?;
             out.push(match bias {
-                Some(b) => t.broadcast_add(b)?,
-                None => t,
+                Some(b) => part.broadcast_add(b)?,
+                None => part,
             });
-            offset += w;
+            offset += width;
         }
         Ok(out)
     }

@@ -321,11 +321,19 @@ fn batching(args: &BenchArgs, mut prompt: Vec<u32>) -> Result<()> {
     println!();
     println!("| concurrent requests | output tok/s | × single | TTFT p50 | TTFT p90 | KV waste at peak (first step / mean) |");
     println!("|---|---|---|---|---|---|");
-    let mut single = None;
-    for &c in &args.concurrency {
-        let r = run_load(path, base.clone(), &prompt, c.max(1), Arrival::Burst, len)?;
-        println!("{}", r.row(&c.to_string(), single.get_or_insert(r), false));
-    }
+    // A row per concurrency, each against the first (single) run, which is returned.
+    let table = |arrival: Arrival, ttft_ratio: bool| -> Result<Option<Load>> {
+        let mut single = None;
+        for &c in &args.concurrency {
+            let r = run_load(path, base.clone(), &prompt, c.max(1), arrival, len)?;
+            println!(
+                "{}",
+                r.row(&c.to_string(), single.get_or_insert(r), ttft_ratio)
+            );
+        }
+        Ok(single)
+    };
+    let single = table(Arrival::Burst, false)?;
     if let Some(naive) = naive {
         let label = format!("naive: {} requests, --max-num-seqs 1", args.naive_requests);
         println!("{}", naive.row(&label, &single.unwrap_or(naive), false));
@@ -341,14 +349,12 @@ fn batching(args: &BenchArgs, mut prompt: Vec<u32>) -> Result<()> {
     println!();
     println!("| clients | output tok/s | × single | TTFT p50 | TTFT p90 | TTFT p90 / single's | KV waste at peak (first step / mean) |");
     println!("|---|---|---|---|---|---|---|");
-    let mut single = None;
-    for &c in &args.concurrency {
-        let arrival = Arrival::Staggered {
+    table(
+        Arrival::Staggered {
             rounds: args.rounds,
-        };
-        let r = run_load(path, base.clone(), &prompt, c.max(1), arrival, len)?;
-        println!("{}", r.row(&c.to_string(), single.get_or_insert(r), true));
-    }
+        },
+        true,
+    )?;
     Ok(())
 }
 

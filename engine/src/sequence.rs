@@ -88,7 +88,8 @@ impl SequenceState {
         let want_top = params.logprobs;
         let min_tokens = params.min_tokens;
         let max_tokens = params.max_tokens;
-        let raw = want_top.map(|_| log_softmax(logits));
+        // Log-probabilities before penalties, and only when asked for.
+        let raw = want_top.map(|k| (log_softmax(logits), k));
         let banned: &[u32] = if self.output.len() < min_tokens {
             &self.end_ids
         } else {
@@ -98,16 +99,14 @@ impl SequenceState {
         let id = self.sampler.sample(logits);
         self.sampler.observe(id);
         self.output.push(id);
-        let token = TokenOutput {
-            id,
-            logprob: raw
-                .as_ref()
-                .map(|raw| raw.get(id as usize).copied().unwrap_or(f32::NEG_INFINITY)),
-            top: match (&raw, want_top) {
-                (Some(raw), Some(k)) => top_logprobs(raw, k),
-                _ => Vec::new(),
-            },
+        let (logprob, top) = match raw {
+            Some((raw, k)) => (
+                Some(raw.get(id as usize).copied().unwrap_or(f32::NEG_INFINITY)),
+                top_logprobs(&raw, k),
+            ),
+            None => (None, Vec::new()),
         };
+        let token = TokenOutput { id, logprob, top };
         if self.end_ids.contains(&id) {
             self.finish = Some(FinishReason::Stop);
         } else {

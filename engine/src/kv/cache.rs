@@ -156,17 +156,11 @@ impl<T: KvElement> PagedKv<T> {
         }
         for (i, &pos) in positions.iter().enumerate() {
             let slot = table[pos / bs] as usize * bs + pos % bs;
-            for (dst, &x) in ck[slot * width..(slot + 1) * width]
-                .iter_mut()
-                .zip(&kd[i * width..])
-            {
-                *dst = T::from_f32(x);
-            }
-            for (dst, &x) in cv[slot * width..(slot + 1) * width]
-                .iter_mut()
-                .zip(&vd[i * width..])
-            {
-                *dst = T::from_f32(x);
+            for (cache, new) in [(&mut *ck, kd), (&mut *cv, vd)] {
+                let row = &new[i * width..(i + 1) * width];
+                for (dst, &x) in cache[slot * width..(slot + 1) * width].iter_mut().zip(row) {
+                    *dst = T::from_f32(x);
+                }
             }
         }
         Ok(last / bs + 1)

@@ -13,6 +13,10 @@
 use half::f16;
 use rayon::prelude::*;
 
+#[cfg(target_arch = "x86_64")]
+#[allow(unsafe_code)]
+mod wide;
+
 /// Values per quantization block in every format here.
 pub const BLOCK: usize = 32;
 
@@ -78,9 +82,9 @@ const TASKS_PER_THREAD: usize = 16;
 /// are re-read once per task, so blocks are large but still spread over every thread.
 const ACT_ROWS_PER_TASK: usize = 64;
 
-/// Up to this many activation rows, weight blocks are unpacked in registers by a kernel
-/// that reads the GGUF bytes directly (where the CPU has one) rather than into a buffer.
-const PACKED_MAX_ROWS: usize = 16;
+/// From this many activation rows, the AVX-512 kernel ([`wide`]) runs; below, the weight
+/// blocks are unpacked in registers for each row instead of into a buffer shared by all.
+const WIDE_MIN_ROWS: usize = 8;
 
 /// Up to this many activation rows, a matrix product splits the weight rows among threads
 /// (each weight block unpacked once); beyond it, the activation rows.
@@ -177,21 +181,18 @@ impl QuantMatrix {
         &self.data[r * n..(r + 1) * n]
     }
 
+    /// The activation rows quantized as the weight format's dot product wants them.
+    fn quantize(&self, x: &[f32]) -> Vec<QuantizedRow> {
+        let with_sums = self.format == WeightFormat::Q4_1;
+        x.chunks_exact(self.cols)
+            .map(|row| quantize_row(row, with_sums))
+            .collect()
+    }
+
     fn matmat_by_weight_rows(&self, x: &[f32], m: usize) -> Vec<f32> {
         let dot = dot_kernel(self.format);
-        // How four weight rows meet the activation rows: unpacked in registers straight from
-        // the GGUF bytes where a kernel does that for many rows; a plain four-row dot product
-        // for one row; otherwise unpacked once into a buffer that every row then reads.
-        let quad = match packed_tile_kernel(self.format) {
-            Some(packed) if m <= PACKED_MAX_ROWS => Quad::Packed(packed),
-            _ if m == 1 => Quad::Single(dot4_kernel(self.format)),
-            _ => Quad::Buffered(tile_kernel()),
-        };
-        let with_sums = self.format == WeightFormat::Q4_1;
-        let acts: Vec<QuantizedRow> = x
-            .chunks_exact(self.cols)
-            .map(|row| quantize_row(row, with_sums))
-            .collect();
+        let acts = self.quantize(x);
+        let plan = Plan::new(self.format, &acts);
         // Each task owns a range of weight rows: its piece of every output row.
         let per_task = ROWS_PER_TASK.max(
             self.rows
@@ -210,22 +211,15 @@ impl QuantMatrix {
             }
         }
         pieces.par_chunks_mut(m).enumerate().for_each_init(
-            || (Unpacked::default(), vec![[0f32; 4]; m]),
-            |(unpacked, tiles), (task, dst)| {
+            || (Scratch::default(), vec![[0f32; 4]; m]),
+            |(scratch, tiles), (task, dst)| {
                 let first = task * per_task;
                 let n = dst[0].len();
                 let quads = n / 4 * 4;
                 for row in self.quads(first, first + quads) {
                     let r = row - first;
                     let w = [0, 1, 2, 3].map(|j| self.weight_row(row + j));
-                    match quad {
-                        Quad::Packed(packed) => packed(w, &acts, tiles),
-                        Quad::Single(dot4) => tiles[0] = dot4(w, &acts[0]),
-                        Quad::Buffered(tile) => {
-                            unpacked.fill(self.format, w);
-                            tile(unpacked, &acts, tiles);
-                        }
-                    }
+                    plan.quad(self.format, scratch, w, tiles);
                     for (d, v) in dst.iter_mut().zip(tiles.iter()) {
                         d[r..r + 4].copy_from_slice(v);
                     }
@@ -242,22 +236,21 @@ impl QuantMatrix {
     }
 
     fn matmat_by_activation_rows(&self, x: &[f32], m: usize) -> Vec<f32> {
-        let (dot, tile) = (dot_kernel(self.format), tile_kernel());
-        let with_sums = self.format == WeightFormat::Q4_1;
+        let dot = dot_kernel(self.format);
         let mut out = vec![0f32; m * self.rows];
         let per_task = ACT_ROWS_PER_TASK.min(m.div_ceil(rayon::current_num_threads()).max(1));
         out.par_chunks_mut(per_task * self.rows)
             .enumerate()
-            .for_each_init(Unpacked::default, |unpacked, (task, dst)| {
+            .for_each_init(Scratch::default, |scratch, (task, dst)| {
                 let first = task * per_task;
-                let acts: Vec<QuantizedRow> = (first..first + dst.len() / self.rows)
-                    .map(|i| quantize_row(&x[i * self.cols..(i + 1) * self.cols], with_sums))
-                    .collect();
+                let rows = dst.len() / self.rows;
+                let acts = self.quantize(&x[first * self.cols..(first + rows) * self.cols]);
+                let plan = Plan::new(self.format, &acts);
                 let quads = self.rows / 4 * 4;
-                let mut tiles = vec![[0f32; 4]; acts.len()];
+                let mut tiles = vec![[0f32; 4]; rows];
                 for r in self.quads(0, quads) {
-                    unpacked.fill(self.format, [0, 1, 2, 3].map(|j| self.weight_row(r + j)));
-                    tile(unpacked, &acts, &mut tiles);
+                    let w = [0, 1, 2, 3].map(|j| self.weight_row(r + j));
+                    plan.quad(self.format, scratch, w, &mut tiles);
                     for (i, v) in tiles.iter().enumerate() {
                         let at = i * self.rows + r;
                         dst[at..at + 4].copy_from_slice(v);
@@ -271,6 +264,66 @@ impl QuantMatrix {
             });
         out
     }
+}
+
+/// How a product's groups of four weight rows meet its activation rows.
+enum Plan<'a> {
+    /// One activation row: four dot products side by side.
+    Single(Dot4, &'a QuantizedRow),
+    /// A few activation rows: weight blocks unpacked in registers for each.
+    Packed(PackedTile, &'a [QuantizedRow]),
+    /// The AVX-512 kernel ([`wide`]), the activation rows laid out for it.
+    #[cfg(target_arch = "x86_64")]
+    Wide(wide::Avx512, wide::WideActs),
+    /// Weight blocks unpacked into a buffer once, then a tile over the rows.
+    Buffered(Tile, &'a [QuantizedRow]),
+}
+
+impl<'a> Plan<'a> {
+    /// The fastest way this CPU has for `acts` against weights of `format`.
+    fn new(format: WeightFormat, acts: &'a [QuantizedRow]) -> Self {
+        match (packed_tile_kernel(format), acts) {
+            (Some(packed), _) if acts.len() < WIDE_MIN_ROWS => return Plan::Packed(packed, acts),
+            (None, [one]) => return Plan::Single(dot4_kernel(format), one),
+            _ => {}
+        }
+        #[cfg(target_arch = "x86_64")]
+        if let Some(cpu) = wide::detect() {
+            return Plan::Wide(cpu, wide::WideActs::new(cpu, format, acts));
+        }
+        Plan::Buffered(tile_kernel(), acts)
+    }
+
+    /// `out[i]`: the four weight rows `w` against activation row `i`.
+    fn quad(
+        &self,
+        format: WeightFormat,
+        scratch: &mut Scratch,
+        w: [&[u8]; 4],
+        out: &mut [[f32; 4]],
+    ) {
+        match self {
+            Plan::Single(dot4, a) => out[0] = dot4(w, a),
+            Plan::Packed(packed, acts) => packed(w, acts, out),
+            #[cfg(target_arch = "x86_64")]
+            Plan::Wide(cpu, acts) => {
+                scratch.wide.fill(*cpu, format, w);
+                wide::tile(*cpu, &mut scratch.wide, acts, &mut out[..acts.rows()]);
+            }
+            Plan::Buffered(tile, acts) => {
+                scratch.unpacked.fill(format, w);
+                tile(&scratch.unpacked, acts, out);
+            }
+        }
+    }
+}
+
+/// A task's buffers for unpacked weight rows, reused from one group of four to the next.
+#[derive(Debug, Default)]
+struct Scratch {
+    unpacked: Unpacked,
+    #[cfg(target_arch = "x86_64")]
+    wide: wide::WideQuad,
 }
 
 /// Four weight rows with their blocks unpacked to 32 bytes each, block-major, so a batch of
@@ -351,9 +404,6 @@ fn tile_kernel() -> Tile {
     #[cfg(target_arch = "x86_64")]
     {
         use std::arch::is_x86_feature_detected as has;
-        if wide_kernels() {
-            return x86::tile512;
-        }
         if has!("avx2") && has!("fma") {
             return x86::tile;
         }
@@ -399,17 +449,6 @@ fn wide_kernels() -> bool {
 /// Four GGUF weight rows against a run of activation rows (`out[i]` for `acts[i]`),
 /// unpacking each weight block once in registers; exactly [`dot_kernel`]'s arithmetic.
 type PackedTile = fn([&[u8]; 4], &[QuantizedRow], &mut [[f32; 4]]);
-
-/// The kernel a weight-row task runs on each group of four weight rows.
-#[derive(Clone, Copy)]
-enum Quad {
-    /// Blocks unpacked in registers for all activation rows.
-    Packed(PackedTile),
-    /// One activation row.
-    Single(Dot4),
-    /// Blocks unpacked into an [`Unpacked`] buffer, then a tile over the rows.
-    Buffered(Tile),
-}
 
 /// The packed tile for `format`, where the CPU has one (AVX-512 VNNI).
 fn packed_tile_kernel(format: WeightFormat) -> Option<PackedTile> {
@@ -877,82 +916,6 @@ mod x86 {
         out
     }
 
-    /// Four unpacked weight rows against `R` activation rows. Two weight rows share a
-    /// 512-bit register (lanes 0..8 the first, 8..16 the second), each with exactly the
-    /// integer lanes and fused multiply-adds of the 256-bit kernel; the weight blocks and
-    /// their scales are loaded once per block for all `R` activation rows, and the `R × 2`
-    /// accumulator chains are independent, so the loop is bound by throughput, not latency.
-    /// The `m · s` terms of the four rows advance together in one 128-bit fused multiply-add.
-    #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma")]
-    fn tile_avx512<const SIGNED: bool, const R: usize>(
-        u: &super::Unpacked,
-        a: &[QuantizedRow],
-        out: &mut [[f32; 4]],
-    ) {
-        assert!(a.len() == R && out.len() == R);
-        let nb = a[0].d.len();
-        assert!(u.q.len() >= nb * 4 && u.d.len() >= nb * 4 && u.m.len() >= nb * 4);
-        assert!(a.iter().all(|a| a.d.len() == nb && a.q.len() == nb * BLOCK));
-        assert!(u.signed == SIGNED && (SIGNED || a.iter().all(|a| a.s.len() == nb)));
-        let first_pair = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
-        let second_pair = _mm512_set_epi32(3, 3, 3, 3, 3, 3, 3, 3, 2, 2, 2, 2, 2, 2, 2, 2);
-        let mut acc = [[_mm512_setzero_ps(); 2]; R];
-        let mut summs = [_mm_setzero_ps(); R];
-        for i in 0..nb {
-            // SAFETY: the assertions above make blocks `4i..4i+4` of `q`, `d` and `m`
-            // readable: 128 contiguous bytes and four f32 each; loads are unaligned.
-            let (qx, d4, m4) = unsafe {
-                let q = u.q.as_ptr().add(i * 4).cast::<i8>();
-                (
-                    [
-                        _mm512_loadu_si512(q.cast()),
-                        _mm512_loadu_si512(q.add(64).cast()),
-                    ],
-                    _mm512_castps128_ps512(_mm_loadu_ps(u.d.as_ptr().add(i * 4))),
-                    _mm_loadu_ps(u.m.as_ptr().add(i * 4)),
-                )
-            };
-            let scales = [
-                _mm512_permutexvar_ps(first_pair, d4),
-                _mm512_permutexvar_ps(second_pair, d4),
-            ];
-            // Signed weights: |x| times sign(x)·y (there is no 512-bit sign instruction).
-            let (negative, magnitude) = if SIGNED {
-                (
-                    [_mm512_movepi8_mask(qx[0]), _mm512_movepi8_mask(qx[1])],
-                    [_mm512_abs_epi8(qx[0]), _mm512_abs_epi8(qx[1])],
-                )
-            } else {
-                ([0; 2], qx)
-            };
-            for r in 0..R {
-                // SAFETY: block `i` of row `r` is 32 bytes inside `q` (asserted above).
-                let qy = unsafe {
-                    _mm512_broadcast_i64x4(_mm256_loadu_si256(
-                        a[r].q.as_ptr().add(i * BLOCK).cast(),
-                    ))
-                };
-                let ad = _mm512_set1_ps(a[r].d[i]);
-                for p in 0..2 {
-                    let prod = if SIGNED {
-                        let sy = _mm512_mask_sub_epi8(qy, negative[p], _mm512_setzero_si512(), qy);
-                        _mm512_dpbusd_epi32(_mm512_setzero_si512(), magnitude[p], sy)
-                    } else {
-                        _mm512_dpbusd_epi32(_mm512_setzero_si512(), qx[p], qy)
-                    };
-                    let d = _mm512_mul_ps(scales[p], ad);
-                    acc[r][p] = _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(prod), acc[r][p]);
-                }
-                if !SIGNED {
-                    summs[r] = _mm_fmadd_ps(m4, _mm_set1_ps(a[r].s[i]), summs[r]);
-                }
-            }
-        }
-        for r in 0..R {
-            out[r] = finish_rows(acc[r], summs[r], !SIGNED);
-        }
-    }
-
     /// The 32-byte values of block `at` of two Q8_0 rows, one row per 256-bit half.
     ///
     /// # Safety
@@ -1123,32 +1086,6 @@ mod x86 {
     pub(super) fn packed_512_q8_0(w: [&[u8]; 4], a: &[QuantizedRow], out: &mut [[f32; 4]]) {
         // SAFETY: as in `packed_512_q4_1`.
         unsafe { packed_rows_avx512::<FMT_Q8_0>(w, a, out) }
-    }
-
-    pub(super) fn tile512(u: &super::Unpacked, a: &[QuantizedRow], out: &mut [[f32; 4]]) {
-        if u.signed {
-            tile_rows_512::<true>(u, a, out);
-        } else {
-            tile_rows_512::<false>(u, a, out);
-        }
-    }
-
-    /// [`tile_avx512`] over any number of activation rows, four at a time.
-    fn tile_rows_512<const SIGNED: bool>(
-        u: &super::Unpacked,
-        a: &[QuantizedRow],
-        out: &mut [[f32; 4]],
-    ) {
-        let fours = a.len() / 4 * 4;
-        for (a, out) in a[..fours].chunks_exact(4).zip(out.chunks_exact_mut(4)) {
-            // SAFETY: chosen only after `is_x86_feature_detected!` found avx512f, avx512bw
-            // avx512vnni, avx2, fma and f16c (`wide_kernels`).
-            unsafe { tile_avx512::<SIGNED, 4>(u, a, out) };
-        }
-        for (a, out) in a[fours..].chunks(1).zip(out[fours..].chunks_mut(1)) {
-            // SAFETY: as above.
-            unsafe { tile_avx512::<SIGNED, 1>(u, a, out) };
-        }
     }
 
     pub(super) fn tile(u: &super::Unpacked, a: &[QuantizedRow], out: &mut [[f32; 4]]) {

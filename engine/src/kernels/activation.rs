@@ -1,5 +1,6 @@
 //! Element-wise activations with ggml's arithmetic: SiLU through ggml's vectorized `expf`
-//! polynomial (not libm), so the MLP of a GGUF model matches llama.cpp bit for bit.
+//! polynomial (not libm), so the MLP of a GGUF model matches llama.cpp bit for bit; with
+//! AVX-512, sixteen lanes at a time exactly as ggml computes them.
 
 /// ggml's `ggml_v_expf` (the AVX-512 version), one lane at a time.
 pub fn expf(x: f32) -> f32 {
@@ -31,9 +32,120 @@ fn scale_by_pow2(j: f32, n: i32) -> f32 {
 
 /// `silu(gate) * up`, element by element, into `gate`.
 pub fn swiglu(gate: &mut [f32], up: &[f32]) {
+    #[cfg(target_arch = "x86_64")]
+    if let Some(cpu) = avx512::detect() {
+        return avx512::swiglu(cpu, gate, up);
+    }
+    swiglu_portable(gate, up);
+}
+
+/// [`swiglu`] one element at a time: what the vector version must equal bit for bit.
+fn swiglu_portable(gate: &mut [f32], up: &[f32]) {
     for (g, &u) in gate.iter_mut().zip(up) {
         let x = *g;
         *g = (x / (1.0 + expf(0.0 - x))) * u;
+    }
+}
+
+/// Rows below this many values each go to one thread: waking another costs more.
+const PARALLEL_MIN_VALUES: usize = 1 << 15;
+
+/// The MLP activation of a whole batch: `gate_up` holds each token's gate values followed
+/// by its up values (`[tokens, 2 * width]`, one stacked projection); returns
+/// `silu(gate) * up` as `[tokens, width]`, rows spread over the threads.
+pub fn swiglu_rows(gate_up: &[f32], width: usize) -> Vec<f32> {
+    use rayon::prelude::*;
+    let tokens = gate_up.len() / (2 * width).max(1);
+    let mut out = vec![0f32; tokens * width];
+    let rows_per_task = PARALLEL_MIN_VALUES.div_ceil(width.max(1)).max(1);
+    out.par_chunks_mut(rows_per_task * width.max(1))
+        .zip(gate_up.par_chunks(rows_per_task * 2 * width.max(1)))
+        .for_each(|(out, gate_up)| {
+            for (o, row) in out
+                .chunks_exact_mut(width)
+                .zip(gate_up.chunks_exact(2 * width))
+            {
+                let (gate, up) = row.split_at(width);
+                o.copy_from_slice(gate);
+                swiglu(o, up);
+            }
+        });
+    out
+}
+
+/// ggml's AVX-512 `ggml_v_expf` and `ggml_v_silu`, sixteen lanes at a time.
+#[cfg(target_arch = "x86_64")]
+#[allow(unsafe_code)]
+mod avx512 {
+    use std::arch::x86_64::*;
+
+    /// Proof that the CPU has AVX-512 F; only [`detect`] makes one.
+    #[derive(Debug, Clone, Copy)]
+    pub(super) struct Cpu(());
+
+    /// The token when the CPU has AVX-512 F, checked at run time.
+    pub(super) fn detect() -> Option<Cpu> {
+        std::arch::is_x86_feature_detected!("avx512f").then_some(Cpu(()))
+    }
+
+    /// [`super::swiglu`] sixteen values at a time, the tail one at a time.
+    pub(super) fn swiglu(cpu: Cpu, gate: &mut [f32], up: &[f32]) {
+        let _ = cpu;
+        // SAFETY: `cpu` exists only where `detect` found avx512f.
+        unsafe { swiglu_avx512(gate, up) }
+    }
+
+    #[target_feature(enable = "avx512f")]
+    fn swiglu_avx512(gate: &mut [f32], up: &[f32]) {
+        let n = gate.len().min(up.len());
+        let whole = n / 16 * 16;
+        let one = _mm512_set1_ps(1.0);
+        for (g, u) in gate[..whole]
+            .chunks_exact_mut(16)
+            .zip(up[..whole].chunks_exact(16))
+        {
+            // SAFETY: `g` and `u` are sixteen f32 each: unaligned loads and a store.
+            unsafe {
+                let x = _mm512_loadu_ps(g.as_ptr());
+                let e = expf(_mm512_sub_ps(_mm512_setzero_ps(), x));
+                let silu = _mm512_div_ps(x, _mm512_add_ps(one, e));
+                _mm512_storeu_ps(
+                    g.as_mut_ptr(),
+                    _mm512_mul_ps(silu, _mm512_loadu_ps(u.as_ptr())),
+                );
+            }
+        }
+        super::swiglu_portable(&mut gate[whole..n], &up[whole..n]);
+    }
+
+    /// `ggml_v_expf`: the same constants and operations as [`super::expf`].
+    #[inline]
+    #[target_feature(enable = "avx512f")]
+    fn expf(x: __m512) -> __m512 {
+        let c = |bits: u32| _mm512_set1_ps(f32::from_bits(bits));
+        let r = c(0x4b40_0000);
+        let z = _mm512_fmadd_ps(x, c(0x3fb8_aa3b), r);
+        let n = _mm512_sub_ps(z, r);
+        let b = _mm512_fnmadd_ps(n, c(0x35bf_be8e), _mm512_fnmadd_ps(n, c(0x3f31_7200), x));
+        let huge = _mm512_cmp_ps_mask::<_CMP_GT_OQ>(_mm512_abs_ps(n), _mm512_set1_ps(192.0));
+        let u = _mm512_mul_ps(b, b);
+        let j = _mm512_fmadd_ps(
+            _mm512_fmadd_ps(
+                _mm512_fmadd_ps(c(0x3c07_2010), b, c(0x3d2b_9f17)),
+                u,
+                _mm512_fmadd_ps(c(0x3e2a_af33), b, c(0x3eff_fedb)),
+            ),
+            u,
+            _mm512_fmadd_ps(c(0x3f7f_fff6), b, _mm512_set1_ps(1.0)),
+        );
+        let res = _mm512_scalef_ps(j, n);
+        if huge == 0 {
+            return res;
+        }
+        let negative = _mm512_cmp_ps_mask::<_CMP_LE_OQ>(n, _mm512_setzero_ps());
+        let alt =
+            _mm512_mask_blend_ps(negative, _mm512_set1_ps(f32::INFINITY), _mm512_setzero_ps());
+        _mm512_mask_blend_ps(huge, res, alt)
     }
 }
 
@@ -50,6 +162,40 @@ mod tests {
         }
         assert_eq!(expf(-200.0), 0.0);
         assert_eq!(expf(200.0), f32::INFINITY);
+    }
+
+    #[test]
+    fn the_vector_swiglu_equals_the_scalar_one_bit_for_bit() {
+        // Small, ordinary and huge magnitudes of both signs (the clamped exponents too),
+        // zeros, and a length that leaves a scalar tail.
+        let mut gate: Vec<f32> = (0..40_003)
+            .map(|i| {
+                let t = (i as f32 - 20_000.0) * 0.0137;
+                t * t.abs() * if i % 7 == 0 { 3.0 } else { 0.02 }
+            })
+            .collect();
+        gate.extend([0.0, -0.0, 200.0, -200.0, 1e-30, -1e-30, 89.0, -104.0]);
+        let up: Vec<f32> = (0..gate.len())
+            .map(|i| (i % 13) as f32 * 0.3 - 1.7)
+            .collect();
+        let (mut fast, mut slow) = (gate.clone(), gate);
+        swiglu(&mut fast, &up);
+        swiglu_portable(&mut slow, &up);
+        for (i, (a, b)) in fast.iter().zip(&slow).enumerate() {
+            assert_eq!(a.to_bits(), b.to_bits(), "element {i}");
+        }
+    }
+
+    #[test]
+    fn swiglu_rows_takes_each_rows_gate_then_up() {
+        let width = 5;
+        let gate_up: Vec<f32> = (0..3 * 2 * width).map(|i| i as f32 * 0.1 - 1.0).collect();
+        let out = swiglu_rows(&gate_up, width);
+        for (row, o) in gate_up.chunks(2 * width).zip(out.chunks(width)) {
+            let mut want = row[..width].to_vec();
+            swiglu_portable(&mut want, &row[width..]);
+            assert_eq!(o, &want[..]);
+        }
     }
 
     #[test]

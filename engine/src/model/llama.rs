@@ -5,11 +5,16 @@
 //! runs per sequence through a [`KvCache`], which owns where K/V live between steps.
 
 use candle_core::{DType, Device, Tensor};
+use rayon::prelude::*;
 
 use super::config::{Architecture, ModelConfig, RopeStyle};
 use super::weights::{Matmul, WeightName, WeightSource};
 use crate::error::{Error, Result};
+use crate::kernels::activation::{swiglu, swiglu_rows};
 use crate::kernels::quant::QuantMatrix;
+
+/// Per-token work below this many values stays on one thread: waking another costs more.
+const PARALLEL_MIN_VALUES: usize = 1 << 15;
 
 /// One sequence's share of a flattened batch.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -100,6 +105,19 @@ impl Fanout {
                     .collect(),
             },
             None => Fanout::Separate(parts),
+        }
+    }
+
+    /// All projections of `x` (`[tokens, cols]`) side by side in one row-major
+    /// `[tokens, Σ widths]` vector, when they are stacked and have no biases (`None`
+    /// otherwise): callers that read each token's parts in place skip splitting them into
+    /// tensors of their own.
+    fn forward_stacked(&self, x: &Tensor) -> Result<Option<Vec<f32>>> {
+        match self {
+            Fanout::Stacked { weight, parts } if parts.iter().all(|(_, b)| b.is_none()) => {
+                Ok(Some(weight.forward_vec(x)?))
+            }
+            _ => Ok(None),
         }
     }
 
@@ -241,25 +259,71 @@ impl Llama {
         let d = self.config.head_dim;
         let mut data = to_f32_vec(x)?;
         for (token, &p) in data.chunks_exact_mut(heads * d).zip(positions) {
-            let table = &self.cos_sin[p];
-            for head in token.chunks_exact_mut(d) {
-                for (i, &(c, s)) in table.iter().enumerate() {
-                    let (a, b) = match self.config.rope_style {
-                        RopeStyle::Interleaved => (2 * i, 2 * i + 1),
-                        RopeStyle::Halves => (i, i + d / 2),
-                    };
-                    let (x0, x1) = (head[a], head[b]);
-                    // ggml's `x0*cos - x1*sin` as GCC compiles it: the first product fused.
-                    head[a] = x0.mul_add(c, -(x1 * s));
-                    head[b] = x0.mul_add(s, x1 * c);
-                }
-            }
+            self.rotate(token, p);
         }
         Ok(Tensor::from_vec(
             data,
             (positions.len(), heads, d),
             x.device(),
         )?)
+    }
+
+    /// Rotates every head of one token's projection (`[heads * head_dim]`) to position `p`.
+    fn rotate(&self, token: &mut [f32], p: usize) {
+        let d = self.config.head_dim;
+        let table = &self.cos_sin[p];
+        for head in token.chunks_exact_mut(d) {
+            for (i, &(c, s)) in table.iter().enumerate() {
+                let (a, b) = match self.config.rope_style {
+                    RopeStyle::Interleaved => (2 * i, 2 * i + 1),
+                    RopeStyle::Halves => (i, i + d / 2),
+                };
+                let (x0, x1) = (head[a], head[b]);
+                // ggml's `x0*cos - x1*sin` as GCC compiles it: the first product fused.
+                head[a] = x0.mul_add(c, -(x1 * s));
+                head[b] = x0.mul_add(s, x1 * c);
+            }
+        }
+    }
+
+    /// Q, K and V from one stacked projection (`qkv`: each token's Q, K and V values side by
+    /// side), Q and K rotated to each token's position, as `[tokens, heads, head_dim]`
+    /// tensors; tokens spread over the threads.
+    fn split_qkv(&self, qkv: &[f32], positions: &[usize]) -> Result<[Tensor; 3]> {
+        let c = &self.config;
+        let d = c.head_dim;
+        let (wq, wk) = (c.num_heads * d, c.num_kv_heads * d);
+        let row = wq + 2 * wk;
+        let n = positions.len();
+        let (mut q, mut k, mut v) = (vec![0f32; n * wq], vec![0f32; n * wk], vec![0f32; n * wk]);
+        let per_task = PARALLEL_MIN_VALUES.div_ceil(row).max(1);
+        q.par_chunks_mut(per_task * wq)
+            .zip(k.par_chunks_mut(per_task * wk))
+            .zip(v.par_chunks_mut(per_task * wk))
+            .zip(qkv.par_chunks(per_task * row))
+            .zip(positions.par_chunks(per_task))
+            .for_each(|((((q, k), v), src), positions)| {
+                let tokens = q
+                    .chunks_exact_mut(wq)
+                    .zip(k.chunks_exact_mut(wk))
+                    .zip(v.chunks_exact_mut(wk))
+                    .zip(src.chunks_exact(row));
+                for ((((q, k), v), src), &p) in tokens.zip(positions) {
+                    let (sq, rest) = src.split_at(wq);
+                    let (sk, sv) = rest.split_at(wk);
+                    q.copy_from_slice(sq);
+                    k.copy_from_slice(sk);
+                    v.copy_from_slice(sv);
+                    self.rotate(q, p);
+                    self.rotate(k, p);
+                }
+            });
+        let device = &self.device;
+        Ok([
+            Tensor::from_vec(q, (n, c.num_heads, d), device)?,
+            Tensor::from_vec(k, (n, c.num_kv_heads, d), device)?,
+            Tensor::from_vec(v, (n, c.num_kv_heads, d), device)?,
+        ])
     }
 
     /// Whether `KvDtype::Auto` resolves to f16 (any checkpoint that is not all f32).
@@ -299,16 +363,29 @@ impl Llama {
         let mut x = self.embed.index_select(&ids, 0)?;
         for (layer, b) in self.blocks.iter().enumerate() {
             let y = rms_norm(&x, &b.attn_norm, c.rms_norm_eps as f32)?;
-            let [q, k, v] = projections(b.qkv.forward(&y)?)?;
-            let q = self.rope(&q, batch.positions, c.num_heads)?;
-            let k = self.rope(&k, batch.positions, c.num_kv_heads)?;
-            let v = v.reshape((n, c.num_kv_heads, c.head_dim))?;
+            let [q, k, v] = match b.qkv.forward_stacked(&y)? {
+                Some(qkv) => self.split_qkv(&qkv, batch.positions)?,
+                None => {
+                    let [q, k, v] = projections(b.qkv.forward(&y)?)?;
+                    [
+                        self.rope(&q, batch.positions, c.num_heads)?,
+                        self.rope(&k, batch.positions, c.num_kv_heads)?,
+                        v.reshape((n, c.num_kv_heads, c.head_dim))?,
+                    ]
+                }
+            };
             let attn = cache.attend(layer, batch, &q, &k, &v)?;
             x = (x + b.o.forward(&attn)?)?;
             let y = rms_norm(&x, &b.ffn_norm, c.rms_norm_eps as f32)?;
-            let [gate, up] = projections(b.gate_up.forward(&y)?)?;
-            let mut act = to_f32_vec(&gate)?;
-            crate::kernels::activation::swiglu(&mut act, &to_f32_vec(&up)?);
+            let act = match b.gate_up.forward_stacked(&y)? {
+                Some(gate_up) => swiglu_rows(&gate_up, c.intermediate_size),
+                None => {
+                    let [gate, up] = projections(b.gate_up.forward(&y)?)?;
+                    let mut act = to_f32_vec(&gate)?;
+                    swiglu(&mut act, &to_f32_vec(&up)?);
+                    act
+                }
+            };
             let act = Tensor::from_vec(act, (n, c.intermediate_size), &self.device)?;
             x = (x + b.down.forward(&act)?)?;
         }
@@ -343,14 +420,17 @@ fn rms_norm(x: &Tensor, weight: &Tensor, eps: f32) -> Result<Tensor> {
     let (rows, h) = x.dims2()?;
     let w = weight.to_vec1::<f32>()?;
     let mut data = to_f32_vec(x)?;
-    for row in data.chunks_exact_mut(h) {
-        let sum: f64 = row.iter().map(|&v| f64::from(v * v)).sum();
-        let mean = (sum / h as f64) as f32;
-        let scale = 1.0 / (mean + eps).sqrt();
-        for (v, &g) in row.iter_mut().zip(&w) {
-            *v = (*v * scale) * g;
+    let per_task = PARALLEL_MIN_VALUES.div_ceil(h.max(1)).max(1);
+    data.par_chunks_mut(per_task * h.max(1)).for_each(|rows| {
+        for row in rows.chunks_exact_mut(h) {
+            let sum: f64 = row.iter().map(|&v| f64::from(v * v)).sum();
+            let mean = (sum / h as f64) as f32;
+            let scale = 1.0 / (mean + eps).sqrt();
+            for (v, &g) in row.iter_mut().zip(&w) {
+                *v = (*v * scale) * g;
+            }
         }
-    }
+    });
     Ok(Tensor::from_vec(data, (rows, h), x.device())?)
 }
 

@@ -22,14 +22,21 @@ impl Matmul {
         match self {
             Matmul::Quant(w) => {
                 let (m, _) = x.dims2()?;
-                let data = x.flatten_all()?.to_vec1::<f32>()?;
                 Ok(Tensor::from_vec(
-                    w.matmul(&data),
+                    self.forward_vec(x)?,
                     (m, w.rows()),
                     x.device(),
                 )?)
             }
             Matmul::Candle(w) => Ok(w.forward(x)?),
+        }
+    }
+
+    /// [`Matmul::forward`] as a row-major vector.
+    pub fn forward_vec(&self, x: &Tensor) -> Result<Vec<f32>> {
+        match self {
+            Matmul::Quant(w) => Ok(w.matmul(&x.flatten_all()?.to_vec1::<f32>()?)),
+            Matmul::Candle(w) => Ok(w.forward(x)?.flatten_all()?.to_vec1::<f32>()?),
         }
     }
 

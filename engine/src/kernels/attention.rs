@@ -562,7 +562,8 @@ mod avx512 {
     /// exactly the single-head loop's; the heads only share the converted key and value rows.
     /// Positions go in chunks of [`CHUNK`], each in three passes: the scores (independent dot
     /// products, so they overlap), the softmax bookkeeping with its exponentials computed
-    /// sixteen at a time, then the value rows into accumulators that stay in registers.
+    /// sixteen at a time, then the value rows into accumulators that stay in registers; the
+    /// next chunk's rows are prefetched as each chunk starts.
     #[target_feature(enable = "avx512f")]
     fn heads_avx512<const N: usize, const G: usize>(
         qr: &[f32],
@@ -594,6 +595,15 @@ mod avx512 {
         let mut first = 0;
         while first <= last {
             let n = CHUNK.min(last + 1 - first);
+            // The next chunk's key and value rows are asked for now, while this one computes
+            // (a long context is far beyond the caches, and each row is read once per step).
+            for pos in (first + CHUNK..=last).take(CHUNK) {
+                for rows in [&keys, &values] {
+                    for line in rows.row(pos, width)[offset..offset + d].chunks(32) {
+                        _mm_prefetch::<_MM_HINT_T0>(line.as_ptr().cast());
+                    }
+                }
+            }
             for (j, pos) in (first..first + n).enumerate() {
                 let k = &keys.row(pos, width)[offset..offset + d];
                 let mut kx = [_mm512_setzero_ps(); N];

@@ -190,6 +190,20 @@ impl<T> KvBlocks<'_, T> {
         let at = (pos % self.block_size) * width;
         &block[at..at + width]
     }
+
+    /// Rows `from..from + n` in order, walking the blocks instead of dividing each
+    /// position by the block size.
+    fn rows(&self, from: usize, n: usize, width: usize) -> impl Iterator<Item = &[T]> + '_ {
+        let (mut block, mut at) = (from / self.block_size, from % self.block_size);
+        (0..n).map(move |_| {
+            let row = &self.blocks[block][at * width..(at + 1) * width];
+            at += 1;
+            if at == self.block_size {
+                (block, at) = (block + 1, 0);
+            }
+            row
+        })
+    }
 }
 
 /// Head counts and width of the attention.
@@ -597,15 +611,16 @@ mod avx512 {
             let n = CHUNK.min(last + 1 - first);
             // The next chunk's key and value rows are asked for now, while this one computes
             // (a long context is far beyond the caches, and each row is read once per step).
-            for pos in (first + CHUNK..=last).take(CHUNK) {
-                for rows in [&keys, &values] {
-                    for line in rows.row(pos, width)[offset..offset + d].chunks(32) {
+            let ahead = CHUNK.min((last + 1).saturating_sub(first + CHUNK));
+            for rows in [&keys, &values] {
+                for row in rows.rows(first + CHUNK, ahead, width) {
+                    for line in row[offset..offset + d].chunks(32) {
                         _mm_prefetch::<_MM_HINT_T0>(line.as_ptr().cast());
                     }
                 }
             }
-            for (j, pos) in (first..first + n).enumerate() {
-                let k = &keys.row(pos, width)[offset..offset + d];
+            for (j, k) in keys.rows(first, n, width).enumerate() {
+                let k = &k[offset..offset + d];
                 let mut kx = [_mm512_setzero_ps(); N];
                 for (c, kx) in kx.iter_mut().enumerate() {
                     *kx = load16(k, 16 * c);
@@ -633,8 +648,8 @@ mod avx512 {
                 &mut vs,
                 &mut rescale,
             );
-            for (j, pos) in (first..first + n).enumerate() {
-                let v = &values.row(pos, width)[offset..offset + d];
+            for (j, v) in values.rows(first, n, width).enumerate() {
+                let v = &v[offset..offset + d];
                 let mut vx = [_mm512_setzero_ps(); N];
                 for (c, vx) in vx.iter_mut().enumerate() {
                     *vx = load16(v, 16 * c);

@@ -78,9 +78,13 @@ const ROWS_PER_TASK: usize = 16;
 /// enough that a large matrix (the vocabulary projection) is not cut into thousands.
 const TASKS_PER_THREAD: usize = 16;
 
-/// Most activation rows each parallel task of a matrix-matrix product computes; weights
-/// are re-read once per task, so blocks are large but still spread over every thread.
-const ACT_ROWS_PER_TASK: usize = 64;
+/// Output bytes each parallel task of a matrix-matrix product aims to write: its weights are
+/// re-read once per task, so tasks are large, but its scattered output rows stay within the
+/// core's cache (a wide output, such as the stacked gate/up projection, gets fewer rows).
+const TASK_OUTPUT_BYTES: usize = 384 << 10;
+
+/// Fewest and most activation rows of such a task.
+const ACT_ROWS_PER_TASK: (usize, usize) = (16, 128);
 
 /// From this many activation rows, the AVX-512 kernel ([`wide`]) runs; below, the weight
 /// blocks are unpacked in registers for each row instead of into a buffer shared by all.
@@ -238,7 +242,9 @@ impl QuantMatrix {
     fn matmat_by_activation_rows(&self, x: &[f32], m: usize) -> Vec<f32> {
         let dot = dot_kernel(self.format);
         let mut out = vec![0f32; m * self.rows];
-        let per_task = ACT_ROWS_PER_TASK.min(m.div_ceil(rayon::current_num_threads()).max(1));
+        let (fewest, most) = ACT_ROWS_PER_TASK;
+        let fit = (TASK_OUTPUT_BYTES / (self.rows * 4).max(1)).clamp(fewest, most) / 4 * 4;
+        let per_task = fit.min(m.div_ceil(rayon::current_num_threads()).max(1));
         out.par_chunks_mut(per_task * self.rows)
             .enumerate()
             .for_each_init(Scratch::default, |scratch, (task, dst)| {

@@ -279,6 +279,7 @@ enum Plan<'a> {
     /// One activation row: four dot products side by side.
     Single(Dot4, &'a QuantizedRow),
     /// A few activation rows: weight blocks unpacked in registers for each.
+    #[cfg(target_arch = "x86_64")]
     Packed(PackedTile, &'a [QuantizedRow]),
     /// The AVX-512 kernel ([`wide`]), the activation rows laid out for it.
     #[cfg(target_arch = "x86_64")]
@@ -290,16 +291,18 @@ enum Plan<'a> {
 impl<'a> Plan<'a> {
     /// The fastest way this CPU has for `acts` against weights of `format`.
     fn new(format: WeightFormat, acts: &'a [QuantizedRow]) -> Self {
-        match (packed_tile_kernel(format), acts) {
-            (Some(packed), _) if acts.len() < WIDE_MIN_ROWS => return Plan::Packed(packed, acts),
-            (None, [one]) => return Plan::Single(dot4_kernel(format), one),
-            _ => {}
-        }
         #[cfg(target_arch = "x86_64")]
         if let Some(cpu) = wide::detect() {
-            return Plan::Wide(cpu, wide::WideActs::new(cpu, format, acts));
+            return if acts.len() < WIDE_MIN_ROWS {
+                Plan::Packed(packed_tile_kernel(cpu, format), acts)
+            } else {
+                Plan::Wide(cpu, wide::WideActs::new(cpu, format, acts))
+            };
         }
-        Plan::Buffered(tile_kernel(), acts)
+        match acts {
+            [one] => Plan::Single(dot4_kernel(format), one),
+            _ => Plan::Buffered(tile_kernel(), acts),
+        }
     }
 
     /// `out[i]`: the four weight rows `w` against activation row `i`.
@@ -312,6 +315,7 @@ impl<'a> Plan<'a> {
     ) {
         match self {
             Plan::Single(dot4, a) => out[0] = dot4(w, a),
+            #[cfg(target_arch = "x86_64")]
             Plan::Packed(packed, acts) => packed(w, acts, out),
             #[cfg(target_arch = "x86_64")]
             Plan::Wide(cpu, acts) => {
@@ -441,37 +445,20 @@ fn tile_portable_row(u: &Unpacked, a: &QuantizedRow) -> [f32; 4] {
     [0, 1, 2, 3].map(|r| hsum8(acc[r]) + if u.signed { 0.0 } else { summs[r] })
 }
 
-/// Whether the CPU runs the 512-bit kernels: AVX-512 F/BW/VNNI and the 256-bit features
-/// their helpers use (every such CPU has them; checked rather than assumed).
-#[cfg(target_arch = "x86_64")]
-fn wide_kernels() -> bool {
-    use std::arch::is_x86_feature_detected as has;
-    has!("avx512f")
-        && has!("avx512bw")
-        && has!("avx512vnni")
-        && has!("avx2")
-        && has!("fma")
-        && has!("f16c")
-}
-
 /// Four GGUF weight rows against a run of activation rows (`out[i]` for `acts[i]`),
 /// unpacking each weight block once in registers; exactly [`dot_kernel`]'s arithmetic.
+#[cfg(target_arch = "x86_64")]
 type PackedTile = fn([&[u8]; 4], &[QuantizedRow], &mut [[f32; 4]]);
 
-/// The packed tile for `format`, where the CPU has one (AVX-512 VNNI).
-fn packed_tile_kernel(format: WeightFormat) -> Option<PackedTile> {
-    #[cfg(target_arch = "x86_64")]
-    {
-        if wide_kernels() {
-            return Some(match format {
-                WeightFormat::Q4_1 => x86::packed_512_q4_1,
-                WeightFormat::Q4_0 => x86::packed_512_q4_0,
-                WeightFormat::Q8_0 => x86::packed_512_q8_0,
-            });
-        }
+/// The packed tile for `format` (the CPU has it: `cpu`).
+#[cfg(target_arch = "x86_64")]
+fn packed_tile_kernel(cpu: wide::Avx512, format: WeightFormat) -> PackedTile {
+    let _ = cpu;
+    match format {
+        WeightFormat::Q4_1 => x86::packed_512_q4_1,
+        WeightFormat::Q4_0 => x86::packed_512_q4_0,
+        WeightFormat::Q8_0 => x86::packed_512_q8_0,
     }
-    let _ = format;
-    None
 }
 
 /// Four weight rows against one activation row: four independent accumulator chains, each
@@ -968,9 +955,9 @@ mod x86 {
     const FMT_Q8_0: u8 = 2;
 
     /// Four GGUF weight rows of format `F` against `R` activation rows, two weight rows per
-    /// 512-bit register as in [`tile_avx512`], unpacking each block straight from the GGUF
-    /// bytes once for all `R` rows (no round trip through memory): the lanes, scales and
-    /// fused multiply-adds of every output are exactly the 256-bit kernel's.
+    /// 512-bit register (lanes 0..8 the first, 8..16 the second), unpacking each block
+    /// straight from the GGUF bytes once for all `R` rows (no round trip through memory): the
+    /// lanes, scales and fused multiply-adds of every output are exactly the 256-bit kernel's.
     #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
     fn packed_avx512<const F: u8, const R: usize>(
         w: [&[u8]; 4],
@@ -1081,8 +1068,8 @@ mod x86 {
     }
 
     pub(super) fn packed_512_q4_1(w: [&[u8]; 4], a: &[QuantizedRow], out: &mut [[f32; 4]]) {
-        // SAFETY: chosen only after `is_x86_feature_detected!` found avx512f, avx512bw,
-        // avx512vnni, avx2, fma and f16c (`wide_kernels`).
+        // SAFETY: chosen (`packed_tile_kernel`) only with the token of `wide::detect`, which
+        // found avx512f, avx512bw, avx512vnni, avx2, fma and f16c.
         unsafe { packed_rows_avx512::<FMT_Q4_1>(w, a, out) }
     }
 
@@ -1285,7 +1272,9 @@ mod tests {
             // Runs of 1, 4 and 6 activation rows (the wide kernels' groups and remainder).
             for n in [1, 4, 6] {
                 let acts = vec![a.clone(); n];
-                if let Some(packed) = packed_tile_kernel(fmt) {
+                #[cfg(target_arch = "x86_64")]
+                if let Some(cpu) = wide::detect() {
+                    let packed = packed_tile_kernel(cpu, fmt);
                     let mut out = vec![[0f32; 4]; n];
                     packed(quad, &acts, &mut out);
                     for o in &out {

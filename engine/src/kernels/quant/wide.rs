@@ -18,16 +18,22 @@ use std::arch::x86_64::*;
 
 use super::{hsum8, QuantizedRow, WeightFormat, BLOCK};
 
-/// Proof that the CPU has what the kernel uses (AVX-512 F/BW/VNNI, F16C); only
-/// [`detect`] makes one.
+/// Proof that the CPU runs the 512-bit kernels — this one and the small-batch kernels in
+/// registers: AVX-512 F/BW/VNNI and the AVX2, FMA and F16C their helpers use (every such
+/// CPU has them; checked rather than assumed). Only [`detect`] makes one.
 #[derive(Debug, Clone, Copy)]
 pub(super) struct Avx512(());
 
-/// The token when the CPU runs the kernel, checked at run time.
+/// The token when the CPU runs the 512-bit kernels, checked at run time.
 pub(super) fn detect() -> Option<Avx512> {
     use std::arch::is_x86_feature_detected as has;
-    (has!("avx512f") && has!("avx512bw") && has!("avx512vnni") && has!("f16c"))
-        .then_some(Avx512(()))
+    (has!("avx512f")
+        && has!("avx512bw")
+        && has!("avx512vnni")
+        && has!("avx2")
+        && has!("fma")
+        && has!("f16c"))
+    .then_some(Avx512(()))
 }
 
 /// 64 bytes aligned for one 512-bit load.

@@ -185,12 +185,6 @@ pub struct KvBlocks<'a, T> {
 }
 
 impl<T> KvBlocks<'_, T> {
-    fn row(&self, pos: usize, width: usize) -> &[T] {
-        let block = self.blocks[pos / self.block_size];
-        let at = (pos % self.block_size) * width;
-        &block[at..at + width]
-    }
-
     /// Rows `from..from + n` in order, walking the blocks instead of dividing each
     /// position by the block size.
     fn rows(&self, from: usize, n: usize, width: usize) -> impl Iterator<Item = &[T]> + '_ {
@@ -331,21 +325,14 @@ fn attention_with<T: KvElement>(
 /// One query head (`scratch.q`) over its KV head, one position at a time: the portable loop
 /// that every vector kernel must equal bit for bit. Writes the head's output to `acc`.
 fn portable_head<T: KvElement>(job: HeadJob<'_, T>, acc: &mut [f32], scratch: &mut Scratch<T>) {
-    let HeadJob {
-        keys,
-        values,
-        offset,
-        width,
-        last,
-        scale,
-    } = job;
-    let d = acc.len();
+    let span = job.offset..job.offset + acc.len();
     let Scratch { q, k, v, round } = scratch;
     acc.iter_mut().for_each(|a| *a = 0.0);
     let (mut max, mut sum) = (f32::NEG_INFINITY, 0f32);
-    for pos in 0..=last {
-        T::widen(&keys.row(pos, width)[offset..offset + d], k);
-        let s = dot(q, k) * scale;
+    let rows = job.keys.rows(0, job.last + 1, job.width);
+    for (key, value) in rows.zip(job.values.rows(0, job.last + 1, job.width)) {
+        T::widen(&key[span.clone()], k);
+        let s = dot(q, k) * job.scale;
         let (mut ms, mut vs) = (1f32, 1f32);
         if s > max {
             ms = (max - s).exp();
@@ -355,7 +342,7 @@ fn portable_head<T: KvElement>(job: HeadJob<'_, T>, acc: &mut [f32], scratch: &m
         } else {
             vs = (s - max).exp();
         }
-        T::widen(&values.row(pos, width)[offset..offset + d], v);
+        T::widen(&value[span.clone()], v);
         for (a, &x) in acc.iter_mut().zip(v.iter()) {
             *a = x.mul_add(vs, *a);
         }
@@ -531,11 +518,12 @@ mod avx512 {
     }
 
     /// The online-softmax bookkeeping of one chunk, in position order: for each head and
-    /// position, the factor the accumulator is rescaled by (`ms`, with `rescale` set when
-    /// the position raised the maximum) and the weight of its value row (`vs`); updates the
-    /// running maximum and sum exactly as the single-position loop does. The exponentials'
-    /// arguments only depend on the running maximum, so they are found first and then
-    /// computed sixteen at a time.
+    /// position, the factor the accumulator is rescaled by (`ms`: below 1 where the position
+    /// raised the maximum; where it is exactly 1, rescaling an accumulator of f16 values
+    /// changes nothing, so the kernel skips it) and the weight of its value row (`vs`);
+    /// updates the running maximum and sum exactly as the single-position loop does. The
+    /// exponentials' arguments only depend on the running maximum, so they are found first
+    /// and then computed sixteen at a time.
     #[inline]
     #[target_feature(enable = "avx512f")]
     fn softmax_chunk<const G: usize>(
@@ -545,11 +533,10 @@ mod avx512 {
         sum: &mut [f32; G],
         ms: &mut [[f32; CHUNK]; G],
         vs: &mut [[f32; CHUNK]; G],
-        rescale: &mut [[bool; CHUNK]; G],
     ) {
         for g in 0..G {
-            let mut args = [0f32; CHUNK];
-            for ((&s, arg), raised) in scores[g][..n].iter().zip(&mut args).zip(&mut rescale[g]) {
+            let (mut args, mut raised) = ([0f32; CHUNK], [false; CHUNK]);
+            for ((&s, arg), raised) in scores[g][..n].iter().zip(&mut args).zip(&mut raised) {
                 *raised = s > max[g];
                 if *raised {
                     *arg = max[g] - s;
@@ -560,11 +547,7 @@ mod avx512 {
             }
             let e = expf::expf_chunk(&args);
             for j in 0..n {
-                let (m, v) = if rescale[g][j] {
-                    (e[j], 1.0)
-                } else {
-                    (1.0, e[j])
-                };
+                let (m, v) = if raised[j] { (e[j], 1.0) } else { (1.0, e[j]) };
                 ms[g][j] = m;
                 vs[g][j] = v;
                 sum[g] = sum[g].mul_add(m, v);
@@ -605,7 +588,6 @@ mod avx512 {
         let (mut max, mut sum) = ([f32::NEG_INFINITY; G], [0f32; G]);
         let mut scores = [[0f32; CHUNK]; G];
         let (mut ms, mut vs) = ([[1f32; CHUNK]; G], [[0f32; CHUNK]; G]);
-        let mut rescale = [[false; CHUNK]; G];
         let mut first = 0;
         while first <= last {
             let n = CHUNK.min(last + 1 - first);
@@ -639,15 +621,7 @@ mod avx512 {
                     scores[g][j] = reduce16(z) * scale;
                 }
             }
-            softmax_chunk(
-                &scores,
-                n,
-                &mut max,
-                &mut sum,
-                &mut ms,
-                &mut vs,
-                &mut rescale,
-            );
+            softmax_chunk(&scores, n, &mut max, &mut sum, &mut ms, &mut vs);
             for (j, v) in values.rows(first, n, width).enumerate() {
                 let v = &v[offset..offset + d];
                 let mut vx = [_mm512_setzero_ps(); N];
@@ -655,7 +629,7 @@ mod avx512 {
                     *vx = load16(v, 16 * c);
                 }
                 for g in 0..G {
-                    if rescale[g][j] {
+                    if ms[g][j] != 1.0 {
                         let m = _mm512_set1_ps(ms[g][j]);
                         for a in &mut acc[g] {
                             *a = round16(_mm512_mul_ps(*a, m));

@@ -47,9 +47,6 @@ fn swiglu_portable(gate: &mut [f32], up: &[f32]) {
     }
 }
 
-/// Rows below this many values each go to one thread: waking another costs more.
-const PARALLEL_MIN_VALUES: usize = 1 << 15;
-
 /// The MLP activation of a whole batch: `gate_up` holds each token's gate values followed
 /// by its up values (`[tokens, 2 * width]`, one stacked projection); returns
 /// `silu(gate) * up` as `[tokens, width]`, rows spread over the threads.
@@ -57,9 +54,9 @@ pub fn swiglu_rows(gate_up: &[f32], width: usize) -> Vec<f32> {
     use rayon::prelude::*;
     let tokens = gate_up.len() / (2 * width).max(1);
     let mut out = vec![0f32; tokens * width];
-    let rows_per_task = PARALLEL_MIN_VALUES.div_ceil(width.max(1)).max(1);
-    out.par_chunks_mut(rows_per_task * width.max(1))
-        .zip(gate_up.par_chunks(rows_per_task * 2 * width.max(1)))
+    let rows = super::rows_per_task(width);
+    out.par_chunks_mut(rows * width.max(1))
+        .zip(gate_up.par_chunks(rows * 2 * width.max(1)))
         .for_each(|(out, gate_up)| {
             for (o, row) in out
                 .chunks_exact_mut(width)

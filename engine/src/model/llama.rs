@@ -10,11 +10,9 @@ use rayon::prelude::*;
 use super::config::{Architecture, ModelConfig, RopeStyle};
 use super::weights::{Matmul, WeightName, WeightSource};
 use crate::error::{Error, Result};
-use crate::kernels::activation::{swiglu, swiglu_rows};
+use crate::kernels::activation::swiglu_rows;
 use crate::kernels::quant::QuantMatrix;
-
-/// Per-token work below this many values stays on one thread: waking another costs more.
-const PARALLEL_MIN_VALUES: usize = 1 << 15;
+use crate::kernels::rows_per_task;
 
 /// One sequence's share of a flattened batch.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -70,23 +68,23 @@ impl Linear {
     }
 }
 
-/// Projections of one input (Q/K/V, or gate/up). Where they share one of our quantized
-/// formats they are stacked into one matrix, so a step quantizes the input once and runs
-/// one parallel pass instead of one per projection; each output row is computed exactly
-/// as it would be alone.
+/// Projections of one input (Q/K/V, or gate/up), their outputs side by side per token.
+/// Where they share one of our quantized formats they are stacked into one matrix, so a step
+/// quantizes the input once and runs one parallel pass instead of one per projection; each
+/// output row is computed exactly as it would be alone.
 #[derive(Debug, Clone)]
 enum Fanout {
     /// One stacked matrix, and each part's output features and bias, in order.
     Stacked {
         weight: Matmul,
-        parts: Vec<(usize, Option<Tensor>)>,
+        parts: Vec<(usize, Option<Vec<f32>>)>,
     },
     /// Each projection on its own (candle formats).
     Separate(Vec<Linear>),
 }
 
 impl Fanout {
-    fn new(parts: Vec<Linear>) -> Self {
+    fn new(parts: Vec<Linear>) -> Result<Self> {
         let quant: Option<Vec<&QuantMatrix>> = parts
             .iter()
             .map(|l| match &l.weight {
@@ -94,51 +92,59 @@ impl Fanout {
                 Matmul::Candle(_) => None,
             })
             .collect();
-        match quant.as_deref().and_then(QuantMatrix::stack) {
-            Some(weight) => Fanout::Stacked {
-                weight: Matmul::Quant(weight),
-                parts: quant
-                    .iter()
-                    .flatten()
-                    .map(|w| w.rows())
-                    .zip(parts.iter().map(|l| l.bias.clone()))
-                    .collect(),
-            },
-            None => Fanout::Separate(parts),
-        }
-    }
-
-    /// All projections of `x` (`[tokens, cols]`) side by side in one row-major
-    /// `[tokens, Σ widths]` vector, when they are stacked and have no biases (`None`
-    /// otherwise): callers that read each token's parts in place skip splitting them into
-    /// tensors of their own.
-    fn forward_stacked(&self, x: &Tensor) -> Result<Option<Vec<f32>>> {
-        match self {
-            Fanout::Stacked { weight, parts } if parts.iter().all(|(_, b)| b.is_none()) => {
-                Ok(Some(weight.forward_vec(x)?))
-            }
-            _ => Ok(None),
-        }
-    }
-
-    /// Each projection of `x` (`[tokens, cols]`), in the order given to [`Fanout::new`].
-    fn forward(&self, x: &Tensor) -> Result<Vec<Tensor>> {
-        let (weight, parts) = match self {
-            Fanout::Separate(parts) => return parts.iter().map(|l| l.forward(x)).collect(),
-            Fanout::Stacked { weight, parts } => (weight, parts),
+        let stacked = quant.as_deref().and_then(QuantMatrix::stack);
+        let (Some(weight), Some(quant)) = (stacked, quant) else {
+            return Ok(Fanout::Separate(parts));
         };
-        let y = weight.forward(x)?;
-        let mut offset = 0;
-        let mut out = Vec::with_capacity(parts.len());
-        for (width, bias) in parts {
-            let part = y.narrow(1, offset, *width)?.contiguous()?;
-            out.push(match bias {
-                Some(b) => part.broadcast_add(b)?,
-                None => part,
-            });
-            offset += width;
+        let parts = quant
+            .iter()
+            .zip(&parts)
+            .map(|(w, l)| Ok((w.rows(), l.bias.as_ref().map(to_f32_vec).transpose()?)))
+            .collect::<Result<_>>()?;
+        Ok(Fanout::Stacked {
+            weight: Matmul::Quant(weight),
+            parts,
+        })
+    }
+
+    /// All projections of `x` (`[tokens, cols]`) as one row-major `[tokens, Σ widths]`
+    /// vector: each token's outputs of every part, in the order given to [`Fanout::new`],
+    /// biases added.
+    fn forward(&self, x: &Tensor) -> Result<Vec<f32>> {
+        let parts = match self {
+            Fanout::Stacked { weight, parts } => {
+                let mut y = weight.forward_vec(x)?;
+                if parts.iter().all(|(_, bias)| bias.is_none()) {
+                    return Ok(y);
+                }
+                let row: usize = parts.iter().map(|(width, _)| width).sum();
+                for token in y.chunks_exact_mut(row) {
+                    let mut part = token;
+                    for (width, bias) in parts {
+                        let (this, rest) = part.split_at_mut(*width);
+                        for (v, &b) in this.iter_mut().zip(bias.iter().flatten()) {
+                            *v += b;
+                        }
+                        part = rest;
+                    }
+                }
+                return Ok(y);
+            }
+            Fanout::Separate(parts) => parts,
+        };
+        let outs = parts
+            .iter()
+            .map(|l| to_f32_vec(&l.forward(x)?))
+            .collect::<Result<Vec<_>>>()?;
+        let tokens = x.dims2()?.0;
+        let mut y = Vec::with_capacity(outs.iter().map(Vec::len).sum());
+        for t in 0..tokens {
+            for out in &outs {
+                let width = out.len() / tokens;
+                y.extend_from_slice(&out[t * width..(t + 1) * width]);
+            }
         }
-        Ok(out)
+        Ok(y)
     }
 }
 
@@ -199,13 +205,13 @@ impl Llama {
                     linear(src, WeightName::Q(l), c.num_heads * hd, h)?,
                     linear(src, WeightName::K(l), c.num_kv_heads * hd, h)?,
                     linear(src, WeightName::V(l), c.num_kv_heads * hd, h)?,
-                ]),
+                ])?,
                 o: linear(src, WeightName::O(l), h, c.num_heads * hd)?,
                 ffn_norm: src.vector(WeightName::FfnNorm(l), h)?,
                 gate_up: Fanout::new(vec![
                     linear(src, WeightName::Gate(l), c.intermediate_size, h)?,
                     linear(src, WeightName::Up(l), c.intermediate_size, h)?,
-                ]),
+                ])?,
                 down: linear(src, WeightName::Down(l), h, c.intermediate_size)?,
             });
         }
@@ -252,23 +258,8 @@ impl Llama {
         self.weight_bytes
     }
 
-    /// Rotary embedding of a projection (`[tokens, heads * head_dim]`) at each token's
-    /// position, returned as `[tokens, heads, head_dim]`, with ggml's rounding so GGUF models
-    /// reproduce llama.cpp.
-    fn rope(&self, x: &Tensor, positions: &[usize], heads: usize) -> Result<Tensor> {
-        let d = self.config.head_dim;
-        let mut data = to_f32_vec(x)?;
-        for (token, &p) in data.chunks_exact_mut(heads * d).zip(positions) {
-            self.rotate(token, p);
-        }
-        Ok(Tensor::from_vec(
-            data,
-            (positions.len(), heads, d),
-            x.device(),
-        )?)
-    }
-
-    /// Rotates every head of one token's projection (`[heads * head_dim]`) to position `p`.
+    /// Rotates every head of one token's projection (`[heads * head_dim]`) to position `p`,
+    /// with ggml's rounding so GGUF models reproduce llama.cpp.
     fn rotate(&self, token: &mut [f32], p: usize) {
         let d = self.config.head_dim;
         let table = &self.cos_sin[p];
@@ -296,7 +287,7 @@ impl Llama {
         let row = wq + 2 * wk;
         let n = positions.len();
         let (mut q, mut k, mut v) = (vec![0f32; n * wq], vec![0f32; n * wk], vec![0f32; n * wk]);
-        let per_task = PARALLEL_MIN_VALUES.div_ceil(row).max(1);
+        let per_task = rows_per_task(row);
         q.par_chunks_mut(per_task * wq)
             .zip(k.par_chunks_mut(per_task * wk))
             .zip(v.par_chunks_mut(per_task * wk))
@@ -363,29 +354,11 @@ impl Llama {
         let mut x = self.embed.index_select(&ids, 0)?;
         for (layer, b) in self.blocks.iter().enumerate() {
             let y = rms_norm(&x, &b.attn_norm, c.rms_norm_eps as f32)?;
-            let [q, k, v] = match b.qkv.forward_stacked(&y)? {
-                Some(qkv) => self.split_qkv(&qkv, batch.positions)?,
-                None => {
-                    let [q, k, v] = projections(b.qkv.forward(&y)?)?;
-                    [
-                        self.rope(&q, batch.positions, c.num_heads)?,
-                        self.rope(&k, batch.positions, c.num_kv_heads)?,
-                        v.reshape((n, c.num_kv_heads, c.head_dim))?,
-                    ]
-                }
-            };
+            let [q, k, v] = self.split_qkv(&b.qkv.forward(&y)?, batch.positions)?;
             let attn = cache.attend(layer, batch, &q, &k, &v)?;
             x = (x + b.o.forward(&attn)?)?;
             let y = rms_norm(&x, &b.ffn_norm, c.rms_norm_eps as f32)?;
-            let act = match b.gate_up.forward_stacked(&y)? {
-                Some(gate_up) => swiglu_rows(&gate_up, c.intermediate_size),
-                None => {
-                    let [gate, up] = projections(b.gate_up.forward(&y)?)?;
-                    let mut act = to_f32_vec(&gate)?;
-                    swiglu(&mut act, &to_f32_vec(&up)?);
-                    act
-                }
-            };
+            let act = swiglu_rows(&b.gate_up.forward(&y)?, c.intermediate_size);
             let act = Tensor::from_vec(act, (n, c.intermediate_size), &self.device)?;
             x = (x + b.down.forward(&act)?)?;
         }
@@ -403,16 +376,6 @@ impl Llama {
     }
 }
 
-/// The `N` outputs of a [`Fanout`] as an array.
-fn projections<const N: usize>(parts: Vec<Tensor>) -> Result<[Tensor; N]> {
-    let got = parts.len();
-    parts.try_into().map_err(|_| {
-        Error::Tensor(candle_core::Error::Msg(format!(
-            "expected {N} projections, got {got}"
-        )))
-    })
-}
-
 /// RMSNorm with ggml's arithmetic: squares in f32 summed in f64, `1 / sqrt(mean + eps)` in
 /// f32, the row scaled, then multiplied by the weight (activation quantization downstream
 /// sees bit-identical inputs, so GGUF models reproduce llama.cpp).
@@ -420,17 +383,17 @@ fn rms_norm(x: &Tensor, weight: &Tensor, eps: f32) -> Result<Tensor> {
     let (rows, h) = x.dims2()?;
     let w = weight.to_vec1::<f32>()?;
     let mut data = to_f32_vec(x)?;
-    let per_task = PARALLEL_MIN_VALUES.div_ceil(h.max(1)).max(1);
-    data.par_chunks_mut(per_task * h.max(1)).for_each(|rows| {
-        for row in rows.chunks_exact_mut(h) {
-            let sum: f64 = row.iter().map(|&v| f64::from(v * v)).sum();
-            let mean = (sum / h as f64) as f32;
-            let scale = 1.0 / (mean + eps).sqrt();
-            for (v, &g) in row.iter_mut().zip(&w) {
-                *v = (*v * scale) * g;
+    data.par_chunks_mut(rows_per_task(h) * h.max(1))
+        .for_each(|rows| {
+            for row in rows.chunks_exact_mut(h) {
+                let sum: f64 = row.iter().map(|&v| f64::from(v * v)).sum();
+                let mean = (sum / h as f64) as f32;
+                let scale = 1.0 / (mean + eps).sqrt();
+                for (v, &g) in row.iter_mut().zip(&w) {
+                    *v = (*v * scale) * g;
+                }
             }
-        }
-    });
+        });
     Ok(Tensor::from_vec(data, (rows, h), x.device())?)
 }
 
@@ -513,6 +476,45 @@ pub fn log_softmax(logits: &[f32]) -> Vec<f32> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::kernels::quant::WeightFormat;
+
+    /// A Q8_0 projection of 64 inputs to `rows` outputs, with a bias if asked.
+    fn q8_linear(rows: usize, salt: usize, bias: bool) -> Linear {
+        let cols = 64;
+        let mut data = Vec::new();
+        for b in 0..rows * cols / 32 {
+            data.extend(half::f16::from_f32(0.01 + (b + salt) as f32 * 1e-3).to_le_bytes());
+            data.extend((0..32).map(|j| ((j * 7 + b * 13 + salt) % 255) as u8));
+        }
+        let weight = QuantMatrix::from_gguf(WeightFormat::Q8_0, rows, cols, &data).expect("sizes");
+        let bias = bias.then(|| {
+            let values: Vec<f32> = (0..rows).map(|i| i as f32 * 0.37 - 1.1).collect();
+            Tensor::from_vec(values, rows, &Device::Cpu).expect("bias")
+        });
+        Linear {
+            weight: Matmul::Quant(weight),
+            bias,
+        }
+    }
+
+    #[test]
+    fn a_stacked_fanout_adds_each_parts_bias_as_the_separate_projections_do() {
+        // Qwen2-like: biased and unbiased parts of different widths in one stacked matrix.
+        let parts = vec![
+            q8_linear(8, 1, true),
+            q8_linear(4, 2, false),
+            q8_linear(4, 3, true),
+        ];
+        let stacked = Fanout::new(parts.clone()).expect("biases convert");
+        assert!(matches!(stacked, Fanout::Stacked { .. }));
+        let separate = Fanout::Separate(parts);
+        let x: Vec<f32> = (0..3 * 64)
+            .map(|i| ((i * 11) % 19) as f32 / 19.0 - 0.5)
+            .collect();
+        let x = Tensor::from_vec(x, (3, 64), &Device::Cpu).expect("input");
+        let (got, want) = (stacked.forward(&x), separate.forward(&x));
+        assert_eq!(got.expect("stacked"), want.expect("separate"));
+    }
 
     #[test]
     fn log_softmax_normalises() {

@@ -150,11 +150,12 @@ impl Fanout {
 
 #[derive(Debug, Clone)]
 struct Block {
-    attn_norm: Tensor,
+    /// RMSNorm weights before attention and before the MLP.
+    attn_norm: Vec<f32>,
     /// Q, K and V.
     qkv: Fanout,
     o: Linear,
-    ffn_norm: Tensor,
+    ffn_norm: Vec<f32>,
     /// Gate and up.
     gate_up: Fanout,
     down: Linear,
@@ -166,7 +167,8 @@ pub struct Llama {
     config: ModelConfig,
     embed: Tensor,
     blocks: Vec<Block>,
-    norm: Tensor,
+    /// The final RMSNorm's weights.
+    norm: Vec<f32>,
     lm_head: Linear,
     cos_sin: Vec<Vec<(f32, f32)>>,
     device: Device,
@@ -200,14 +202,14 @@ impl Llama {
         let mut blocks = Vec::with_capacity(c.num_layers);
         for l in 0..c.num_layers {
             blocks.push(Block {
-                attn_norm: src.vector(WeightName::AttnNorm(l), h)?,
+                attn_norm: to_f32_vec(&src.vector(WeightName::AttnNorm(l), h)?)?,
                 qkv: Fanout::new(vec![
                     linear(src, WeightName::Q(l), c.num_heads * hd, h)?,
                     linear(src, WeightName::K(l), c.num_kv_heads * hd, h)?,
                     linear(src, WeightName::V(l), c.num_kv_heads * hd, h)?,
                 ])?,
                 o: linear(src, WeightName::O(l), h, c.num_heads * hd)?,
-                ffn_norm: src.vector(WeightName::FfnNorm(l), h)?,
+                ffn_norm: to_f32_vec(&src.vector(WeightName::FfnNorm(l), h)?)?,
                 gate_up: Fanout::new(vec![
                     linear(src, WeightName::Gate(l), c.intermediate_size, h)?,
                     linear(src, WeightName::Up(l), c.intermediate_size, h)?,
@@ -226,7 +228,7 @@ impl Llama {
             bias: None,
         };
         bytes += lm_head.weight.bytes();
-        let norm = src.vector(WeightName::Norm, h)?;
+        let norm = to_f32_vec(&src.vector(WeightName::Norm, h)?)?;
         let device = src.device().clone();
         let kv_f16 = !src.is_f32();
         let cos_sin = rope_tables(c);
@@ -379,9 +381,8 @@ impl Llama {
 /// RMSNorm with ggml's arithmetic: squares in f32 summed in f64, `1 / sqrt(mean + eps)` in
 /// f32, the row scaled, then multiplied by the weight (activation quantization downstream
 /// sees bit-identical inputs, so GGUF models reproduce llama.cpp).
-fn rms_norm(x: &Tensor, weight: &Tensor, eps: f32) -> Result<Tensor> {
+fn rms_norm(x: &Tensor, w: &[f32], eps: f32) -> Result<Tensor> {
     let (rows, h) = x.dims2()?;
-    let w = weight.to_vec1::<f32>()?;
     let mut data = to_f32_vec(x)?;
     data.par_chunks_mut(rows_per_task(h) * h.max(1))
         .for_each(|rows| {
@@ -389,7 +390,7 @@ fn rms_norm(x: &Tensor, weight: &Tensor, eps: f32) -> Result<Tensor> {
                 let sum: f64 = row.iter().map(|&v| f64::from(v * v)).sum();
                 let mean = (sum / h as f64) as f32;
                 let scale = 1.0 / (mean + eps).sqrt();
-                for (v, &g) in row.iter_mut().zip(&w) {
+                for (v, &g) in row.iter_mut().zip(w) {
                     *v = (*v * scale) * g;
                 }
             }

@@ -20,10 +20,6 @@ pub trait KvElement: Copy + Default + Send + Sync + std::fmt::Debug + 'static {
     fn from_f32(x: f32) -> Self;
     /// Widens to f32.
     fn to_f32(self) -> f32;
-    /// Rounds an f32 to this precision and back.
-    fn round(x: f32) -> f32 {
-        Self::from_f32(x).to_f32()
-    }
     /// Widens a row into `dst` (same length).
     fn widen(src: &[Self], dst: &mut [f32]);
     /// Rounds every value of `x` to this precision and back, using `scratch` (same length).
@@ -72,9 +68,6 @@ impl KvElement for f32 {
     }
     fn to_f32(self) -> f32 {
         self
-    }
-    fn round(x: f32) -> f32 {
-        x
     }
     fn widen(src: &[Self], dst: &mut [f32]) {
         dst.copy_from_slice(src);
@@ -290,9 +283,9 @@ fn attention_with<T: KvElement>(
         let (i, h) = (row / heads, row % heads);
         let SeqKv { keys, values, .. } = seqs[owner[i]];
         scratch.q.clear();
-        scratch
-            .q
-            .extend(q[row * d..(row + chunk) * d].iter().map(|&x| T::round(x)));
+        scratch.q.extend_from_slice(&q[row * d..(row + chunk) * d]);
+        scratch.round.resize(chunk * d, T::default());
+        T::round_slice(&mut scratch.q, &mut scratch.round);
         let job = HeadJob {
             keys,
             values,
@@ -523,7 +516,9 @@ mod avx512 {
     /// changes nothing, so the kernel skips it) and the weight of its value row (`vs`);
     /// updates the running maximum and sum exactly as the single-position loop does. The
     /// exponentials' arguments only depend on the running maximum, so they are found first
-    /// and then computed sixteen at a time.
+    /// and then computed sixteen at a time. A chunk where no score exceeds the maximum (most
+    /// chunks after the first) takes a shortcut with the same results: every argument is
+    /// `s - max` in one vector subtraction and every `ms` is 1.
     #[inline]
     #[target_feature(enable = "avx512f")]
     fn softmax_chunk<const G: usize>(
@@ -534,7 +529,26 @@ mod avx512 {
         ms: &mut [[f32; CHUNK]; G],
         vs: &mut [[f32; CHUNK]; G],
     ) {
+        let live: __mmask16 = if n >= CHUNK { !0 } else { (1 << n) - 1 };
         for g in 0..G {
+            // SAFETY: `scores[g]` holds exactly sixteen f32; the load is unaligned.
+            let s = unsafe { _mm512_loadu_ps(scores[g].as_ptr()) };
+            let top = _mm512_set1_ps(max[g]);
+            if _mm512_mask_cmp_ps_mask::<_CMP_GT_OQ>(live, s, top) == 0 {
+                // The maximum stands for the whole chunk: what the loop below would compute
+                // with `raised` false at every position.
+                let mut args = [0f32; CHUNK];
+                // SAFETY: `args` holds exactly sixteen f32; the store is unaligned.
+                unsafe { _mm512_storeu_ps(args.as_mut_ptr(), _mm512_sub_ps(s, top)) };
+                let e = expf::expf_chunk(&args);
+                ms[g] = [1.0; CHUNK];
+                vs[g] = e;
+                for &v in &e[..n] {
+                    // `sum · 1 + v` rounds once, as the fused multiply-add below does.
+                    sum[g] += v;
+                }
+                continue;
+            }
             let (mut args, mut raised) = ([0f32; CHUNK], [false; CHUNK]);
             for ((&s, arg), raised) in scores[g][..n].iter().zip(&mut args).zip(&mut raised) {
                 *raised = s > max[g];
@@ -905,12 +919,21 @@ mod tests {
                     .collect()
             };
             let (k0, v0, k1, v1) = (cache(1, 40), cache(2, 40), cache(3, 24), cache(4, 24));
+            // A third sequence whose keys grow with the position: a head whose query sums
+            // positive raises its maximum in every chunk, one whose query sums negative never
+            // after the first (the two softmax paths of the vector kernel), over a partial
+            // last chunk.
+            let ramp: Vec<f16> = (0..100 * width)
+                .map(|i| f16::from_f32((i / width) as f32 / 40.0))
+                .collect();
+            let v2 = cache(6, 100);
             fn blocks(x: &[f16], rows: usize) -> Vec<&[f16]> {
                 x.chunks(rows).collect()
             }
             let r = 16 * width;
             let (kb0, vb0) = (blocks(&k0, r), blocks(&v0, r));
             let (kb1, vb1) = (blocks(&k1, r), blocks(&v1, r));
+            let (kb2, vb2) = (blocks(&ramp, r), blocks(&v2, r));
             let kv = |b| KvBlocks {
                 blocks: b,
                 block_size: 16,
@@ -926,9 +949,14 @@ mod tests {
                     values: kv(&vb1),
                     tokens: 1,
                 },
+                SeqKv {
+                    keys: kv(&kb2),
+                    values: kv(&vb2),
+                    tokens: 1,
+                },
             ];
-            let positions = [37, 38, 39, 23];
-            let q: Vec<f32> = (0..4 * heads * d).map(|i| val(i, 5)).collect();
+            let positions = [37, 38, 39, 23, 98];
+            let q: Vec<f32> = (0..5 * heads * d).map(|i| val(i, 5)).collect();
             let shape = HeadShape {
                 heads,
                 kv_heads,

@@ -1,22 +1,27 @@
 //! The AVX-512 VNNI kernel of the quantized product for batches: four weight rows against
 //! activation rows four at a time, with exactly ggml's per-block arithmetic (eight integer
 //! lanes per block, the scale product rounded to f32, one fused multiply-add per lane),
-//! laid out so the multiply ports do only the work that needs them.
+//! laid out so the multiply ports do only the work that needs them and nothing in the main
+//! loop shuffles.
 //!
-//! - Two weight rows share a 512-bit register with their four-value groups interleaved
-//!   (lane `2j` is the first row's lane `j`, lane `2j + 1` the second's), so both rows'
-//!   scale products arrive in one 64-bit broadcast load; the sixteen scale products of a
-//!   4 × 4 tile are one multiply, and its sixteen `m · s` sums (Q4_1) one fused multiply-add.
+//! - Two activation rows share a 512-bit register with their four-value groups interleaved
+//!   (lane `2j` is the first row's lane `j`, lane `2j + 1` the second's) — laid out once per
+//!   product — and each weight row's groups are doubled to match when its four rows are
+//!   unpacked, so an integer dot product is one load of each. One 64-bit broadcast load
+//!   then carries the two rows' scale products; the sixteen scale products of a 4 × 4 tile
+//!   are one multiply, and its sixteen `m · s` sums (Q4_1) one fused multiply-add.
 //! - Signed weights (Q4_0, Q8_0) are made unsigned by an offset `k` (8 for the raw nibbles,
 //!   128 for bytes), and each integer dot product starts from minus `k` times its
 //!   activation values' sum, so it ends at the signed sum itself.
+//! - A tile's sixteen results are summed from their lanes in registers, by the same tree
+//!   as the row-at-a-time code.
 //!
 //! Products of eight or more activation rows run here; each group of four weight rows is
 //! unpacked once ([`WideQuad::fill`]) and then serves every group of activation rows.
 
 use std::arch::x86_64::*;
 
-use super::{hsum8, QuantizedRow, WeightFormat, BLOCK};
+use super::{QuantizedRow, WeightFormat, BLOCK};
 
 /// Proof that the CPU runs the 512-bit kernels — this one and the small-batch kernels in
 /// registers: AVX-512 F/BW/VNNI and the AVX2, FMA and F16C their helpers use (every such
@@ -74,13 +79,15 @@ impl Lane64 {
     }
 }
 
-/// Four weight rows unpacked for the kernel, per block: rows 0-1 and 2-3 interleaved as
-/// unsigned bytes, the four scales repeated four times, the four minimums likewise.
+/// Four weight rows unpacked for the kernel, per block: each row's eight four-value groups
+/// twice over (lanes `2j` and `2j + 1` both hold group `j`) as unsigned bytes, then the four
+/// scales (lane `4k + r` holds row `k`'s) and the four minimums likewise.
 #[derive(Debug, Default)]
 pub(super) struct WideQuad {
-    blocks: Vec<[Lane64; 4]>,
-    /// Per block, the scale products and activation sums of the activation group at hand.
-    products: Vec<[Lane64; 2]>,
+    blocks: Vec<[Lane64; 6]>,
+    /// Per block, the scale products of the activation group at hand (lane `4k + r`: weight
+    /// row `k`'s scale times activation row `r`'s).
+    products: Vec<Lane64>,
 }
 
 impl WideQuad {
@@ -97,16 +104,16 @@ fn fill_quad(quad: &mut WideQuad, format: WeightFormat, rows: [&[u8]; 4]) {
     let stride = format.block_bytes();
     let nb = rows[0].len() / stride;
     assert!(rows.iter().all(|r| r.len() == nb * stride));
-    quad.blocks.resize(nb, [Lane64::ZERO; 4]);
-    // Value groups of two rows laid out [a 0..8, b 0..8] -> [a0 b0 a1 b1 ..].
-    let pair_bytes = _mm512_setr_epi32(0, 8, 1, 9, 2, 10, 3, 11, 4, 12, 5, 13, 6, 14, 7, 15);
-    // Nibbles laid out [a lo, b lo, a hi, b hi] (16 bytes each) -> [a0 b0 a1 b1 ..].
-    let pair_nibbles = _mm512_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7, 8, 12, 9, 13, 10, 14, 11, 15);
-    // Q4_1 heads [d0 m0 d1 m1 d2 m2 d3 m3] -> scales and minimums, each four times.
-    let scale_of = _mm512_setr_epi32(0, 2, 4, 6, 0, 2, 4, 6, 0, 2, 4, 6, 0, 2, 4, 6);
-    let min_of = _mm512_setr_epi32(1, 3, 5, 7, 1, 3, 5, 7, 1, 3, 5, 7, 1, 3, 5, 7);
-    let low = _mm512_set1_epi8(0x0F);
-    let flip = _mm512_set1_epi8(-128);
+    quad.blocks.resize(nb, [Lane64::ZERO; 6]);
+    // Eight 32-bit groups -> each twice.
+    let twice = _mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
+    // Q4_1 heads [d0 m0 d1 m1 d2 m2 d3 m3] -> scales and minimums, each four times in a row.
+    let scale_of = _mm512_setr_epi32(0, 0, 0, 0, 2, 2, 2, 2, 4, 4, 4, 4, 6, 6, 6, 6);
+    let min_of = _mm512_setr_epi32(1, 1, 1, 1, 3, 3, 3, 3, 5, 5, 5, 5, 7, 7, 7, 7);
+    // Q4_0 and Q8_0 heads [d0 d1 d2 d3] -> each scale four times in a row.
+    let fours = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
+    let low = _mm256_set1_epi8(0x0F);
+    let flip = _mm256_set1_epi8(-128);
     let values = match format {
         WeightFormat::Q4_1 => 4,
         _ => 2,
@@ -116,8 +123,9 @@ fn fill_quad(quad: &mut WideQuad, format: WeightFormat, rows: [&[u8]; 4]) {
         let at = i * stride;
         // SAFETY: every row holds `nb` blocks of `stride` bytes (asserted), so each read
         // stays inside block `i` of its row: a 2- or 4-byte head, then 16 or 32 value bytes
-        // at `values`; all loads are unaligned.
-        let (scales, mins, pairs) = unsafe {
+        // at `values`; all loads are unaligned. Each `Lane64` is 64 bytes aligned to 64:
+        // aligned stores.
+        unsafe {
             let (scales, mins) = if format == WeightFormat::Q4_1 {
                 let head = |r: usize| p[r].add(at).cast::<i32>().read_unaligned();
                 let dm = _mm256_cvtph_ps(_mm_setr_epi32(head(0), head(1), head(2), head(3)));
@@ -138,56 +146,48 @@ fn fill_quad(quad: &mut WideQuad, format: WeightFormat, rows: [&[u8]; 4]) {
                     0,
                     0,
                 ));
-                (_mm512_broadcast_f32x4(d), _mm512_setzero_ps())
+                (
+                    _mm512_permutexvar_ps(fours, _mm512_castps128_ps512(d)),
+                    _mm512_setzero_ps(),
+                )
             };
-            let v = |r: usize| p[r].add(at + values);
-            let pairs = if format == WeightFormat::Q8_0 {
-                let pair = |r: usize| {
-                    let both = _mm512_inserti64x4::<1>(
-                        _mm512_castsi256_si512(_mm256_loadu_si256(v(r).cast())),
-                        _mm256_loadu_si256(v(r + 1).cast()),
-                    );
-                    _mm512_xor_si512(_mm512_permutexvar_epi32(pair_bytes, both), flip)
-                };
-                [pair(0), pair(2)]
-            } else {
-                let pair = |r: usize| {
+            for (row, lane) in p.iter().zip(&mut dst[..4]) {
+                let v = row.add(at + values);
+                // The 32 values in order, unsigned: Q8_0 bytes with the sign bit flipped,
+                // nibbles as they are (low nibbles are values 0-15, high ones 16-31).
+                let bytes = if format == WeightFormat::Q8_0 {
+                    _mm256_xor_si256(_mm256_loadu_si256(v.cast()), flip)
+                } else {
+                    let x = _mm_loadu_si128(v.cast());
                     let y = _mm256_inserti128_si256::<1>(
-                        _mm256_castsi128_si256(_mm_loadu_si128(v(r).cast())),
-                        _mm_loadu_si128(v(r + 1).cast()),
+                        _mm256_castsi128_si256(x),
+                        _mm_srli_epi16::<4>(x),
                     );
-                    let z = _mm512_inserti64x4::<1>(
-                        _mm512_castsi256_si512(y),
-                        _mm256_srli_epi16::<4>(y),
-                    );
-                    _mm512_permutexvar_epi32(pair_nibbles, _mm512_and_si512(z, low))
+                    _mm256_and_si256(y, low)
                 };
-                [pair(0), pair(2)]
-            };
-            (scales, mins, pairs)
-        };
-        // SAFETY: each `Lane64` is 64 bytes aligned to 64: aligned stores.
-        unsafe {
-            _mm512_store_si512(dst[0].0.as_mut_ptr().cast(), pairs[0]);
-            _mm512_store_si512(dst[1].0.as_mut_ptr().cast(), pairs[1]);
-            _mm512_store_ps(dst[2].0.as_mut_ptr().cast(), scales);
-            _mm512_store_ps(dst[3].0.as_mut_ptr().cast(), mins);
+                let doubled = _mm512_permutexvar_epi32(twice, _mm512_castsi256_si512(bytes));
+                _mm512_store_si512(lane.0.as_mut_ptr().cast(), doubled);
+            }
+            _mm512_store_ps(dst[4].0.as_mut_ptr().cast(), scales);
+            _mm512_store_ps(dst[5].0.as_mut_ptr().cast(), mins);
         }
     }
 }
 
 /// Activation rows laid out for the kernel in groups of four (the last group padded with
-/// zero rows, whose results are dropped).
+/// zero rows, whose results are dropped), each group two pairs of rows.
 #[derive(Debug)]
 pub(super) struct WideActs {
     rows: usize,
     blocks: usize,
     /// Q4_1: `m · s` terms are added (and the integer sums start from zero).
     mins: bool,
-    /// `[group][block][row]`: the row's 32 bytes.
-    q: Vec<[i8; BLOCK]>,
-    /// `[group][block][row]`: where each of the eight integer sums starts (signed weights).
-    start: Vec<[i32; 8]>,
+    /// `[group][block][pair]`: the pair's two rows of 32 bytes interleaved by four-value
+    /// group (lane `2j + h` holds group `j` of the pair's row `h`).
+    q: Vec<Lane64>,
+    /// `[group][block][pair]`: where each integer sum starts (signed weights), interleaved
+    /// likewise.
+    start: Vec<Lane64>,
     /// `[group][block]`: the four rows' scales, then their `d · Σq` sums (Q4_1).
     ds: Vec<[f32; 8]>,
 }
@@ -205,39 +205,41 @@ impl WideActs {
             WeightFormat::Q4_0 => 8,
             WeightFormat::Q8_0 => 128,
         };
-        let groups = acts.len().div_ceil(4);
+        let cells = acts.len().div_ceil(4) * blocks * 2;
         let mut out = WideActs {
             rows: acts.len(),
             blocks,
             mins,
-            q: vec![[0; BLOCK]; groups * blocks * 4],
-            start: Vec::new(),
-            ds: vec![[0.0; 8]; groups * blocks],
+            q: vec![Lane64::ZERO; cells],
+            start: if mins {
+                Vec::new()
+            } else {
+                vec![Lane64::ZERO; cells]
+            },
+            ds: vec![[0.0; 8]; cells / 2],
         };
         for (n, a) in acts.iter().enumerate() {
             let (g, r) = (n / 4, n % 4);
+            let (pair, h) = (r / 2, r % 2);
             for (i, q) in a.q.chunks_exact(BLOCK).enumerate() {
-                out.q[(g * blocks + i) * 4 + r].copy_from_slice(q);
+                let cell = (g * blocks + i) * 2 + pair;
+                for (j, four) in q.chunks_exact(4).enumerate() {
+                    let lane = 4 * (2 * j + h);
+                    for (b, &v) in out.q[cell].0[lane..lane + 4].iter_mut().zip(four) {
+                        *b = v as u8;
+                    }
+                    if !mins {
+                        let sum: i32 = four.iter().map(|&v| i32::from(v)).sum();
+                        out.start[cell].0[lane..lane + 4]
+                            .copy_from_slice(&(-offset * sum).to_le_bytes());
+                    }
+                }
                 let ds = &mut out.ds[g * blocks + i];
                 ds[r] = a.d[i];
                 if mins {
                     ds[4 + r] = a.s[i];
                 }
             }
-        }
-        if !mins {
-            out.start = out
-                .q
-                .iter()
-                .map(|q| {
-                    let mut start = [0i32; 8];
-                    for (s, four) in start.iter_mut().zip(q.chunks_exact(4)) {
-                        let sum: i32 = four.iter().map(|&v| i32::from(v)).sum();
-                        *s = -offset * sum;
-                    }
-                    start
-                })
-                .collect();
         }
         out
     }
@@ -262,6 +264,15 @@ pub(super) fn tile(cpu: Avx512, quad: &mut WideQuad, acts: &WideActs, out: &mut 
     }
 }
 
+/// Four f32 (`four[0..4]`) in each 128-bit lane: one broadcast load.
+#[inline]
+#[target_feature(enable = "avx512f")]
+fn four_times(four: &[f32]) -> __m512 {
+    assert!(four.len() >= 4);
+    // SAFETY: the assertion keeps the 16 bytes read inside `four`; the load is unaligned.
+    _mm512_broadcast_f32x4(unsafe { _mm_loadu_ps(four.as_ptr()) })
+}
+
 #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
 fn tile_avx512<const MINS: bool>(quad: &mut WideQuad, acts: &WideActs, out: &mut [[f32; 4]]) {
     let WideQuad {
@@ -270,86 +281,87 @@ fn tile_avx512<const MINS: bool>(quad: &mut WideQuad, acts: &WideActs, out: &mut
     } = quad;
     let nb = quad.len();
     assert!(acts.blocks == nb && out.len() == acts.rows && acts.mins == MINS);
-    assert!(acts.q.len() == out.len().div_ceil(4) * 4 * nb && acts.ds.len() * 4 == acts.q.len());
+    assert!(acts.q.len() == out.len().div_ceil(4) * 2 * nb && acts.ds.len() * 2 == acts.q.len());
     assert!(MINS || acts.start.len() == acts.q.len());
-    // Eight 32-bit groups -> each twice, for the two interleaved weight rows.
-    let twice = _mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
-    // Four values -> each four times (lane 4r + k holds activation row r's).
-    let fours = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
-    let doubled = |v: __m256i| _mm512_permutexvar_epi32(twice, _mm512_castsi256_si512(v));
+    products.resize(nb, Lane64::ZERO);
+    // The `m · s` sums, lane 4k + r, gathered to lane 4r + k.
+    let by_row = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
     for (g, outs) in out.chunks_mut(4).enumerate() {
-        let cells = g * 4 * nb..(g + 1) * 4 * nb;
+        let cells = 2 * g * nb..2 * (g + 1) * nb;
         let group_q = &acts.q[cells.clone()];
         let group_start = if MINS { &[][..] } else { &acts.start[cells] };
         let group_ds = &acts.ds[g * nb..(g + 1) * nb];
-        // First the scale products (lane 4r + k: weight row k's scale times activation
-        // row r's) and the `d · Σq` sums likewise laid out, so the main loop reads each pair
-        // of products with a broadcast load instead of a shuffle.
-        products.clear();
-        for (w, ds) in quad.iter().zip(group_ds) {
-            // SAFETY: `ds` is eight f32: one unaligned load.
-            let ds = unsafe { _mm512_castps256_ps512(_mm256_loadu_ps(ds.as_ptr())) };
-            let da = _mm512_permutexvar_ps(fours, ds);
-            let sa = _mm512_permutexvar_ps(fours, _mm512_shuffle_f32x4::<0b01_01_01_01>(ds, ds));
-            let mut p = [Lane64::ZERO; 2];
-            // SAFETY: each `Lane64` is 64 bytes aligned to 64: aligned stores.
-            unsafe {
-                _mm512_store_ps(p[0].0.as_mut_ptr().cast(), _mm512_mul_ps(w[2].ps(), da));
-                _mm512_store_ps(p[1].0.as_mut_ptr().cast(), sa);
-            }
-            products.push(p);
+        // First the scale products, so the main loop reads each pair of them (one weight
+        // row's scale times a pair of activation rows') with a broadcast load.
+        for ((p, w), ds) in products.iter_mut().zip(quad.iter()).zip(group_ds) {
+            let product = _mm512_mul_ps(w[4].ps(), four_times(ds));
+            // SAFETY: each `Lane64` is 64 bytes aligned to 64: an aligned store.
+            unsafe { _mm512_store_ps(p.0.as_mut_ptr().cast(), product) };
         }
         let mut summs = _mm512_setzero_ps();
         let mut acc = [[_mm512_setzero_ps(); 2]; 4];
-        for (i, ((w, q), [scales, sa])) in quad
-            .iter()
-            .zip(group_q.chunks_exact(4))
-            .zip(products.iter())
-            .enumerate()
-        {
+        for (i, ((w, ds), scales)) in quad.iter().zip(group_ds).zip(products.iter()).enumerate() {
             if MINS {
-                summs = _mm512_fmadd_ps(w[3].ps(), sa.ps(), summs);
+                summs = _mm512_fmadd_ps(w[5].ps(), four_times(&ds[4..]), summs);
             }
-            let pairs = [w[0].si(), w[1].si()];
-            for (r, y) in q.iter().enumerate() {
-                // SAFETY: `y` is 32 bytes and each start is eight i32: unaligned loads.
-                let (y, from) = unsafe {
-                    let y = doubled(_mm256_loadu_si256(y.as_ptr().cast()));
-                    let from = if MINS {
-                        _mm512_setzero_si512()
-                    } else {
-                        doubled(_mm256_loadu_si256(group_start[4 * i + r].as_ptr().cast()))
-                    };
-                    (y, from)
-                };
-                for (p, x) in pairs.iter().enumerate() {
-                    let sums = _mm512_dpbusd_epi32(from, *x, y);
-                    let sums = _mm512_cvtepi32_ps(sums);
-                    let d = scales.pair(2 * r + p);
-                    acc[r][p] = _mm512_fmadd_ps(d, sums, acc[r][p]);
+            let y = [group_q[2 * i].si(), group_q[2 * i + 1].si()];
+            let from = if MINS {
+                [_mm512_setzero_si512(); 2]
+            } else {
+                [group_start[2 * i].si(), group_start[2 * i + 1].si()]
+            };
+            for (k, acc) in acc.iter_mut().enumerate() {
+                let x = w[k].si();
+                for (pair, acc) in acc.iter_mut().enumerate() {
+                    let sums = _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(from[pair], x, y[pair]));
+                    *acc = _mm512_fmadd_ps(scales.pair(2 * k + pair), sums, *acc);
                 }
             }
         }
-        let mut m = [0f32; 16];
-        // SAFETY: `m` holds exactly sixteen f32.
-        unsafe { _mm512_storeu_ps(m.as_mut_ptr(), summs) };
-        for (r, o) in outs.iter_mut().enumerate() {
-            for (p, pair) in acc[r].iter().enumerate() {
-                let mut all = [0f32; 16];
-                // SAFETY: `all` holds exactly sixteen f32.
-                unsafe { _mm512_storeu_ps(all.as_mut_ptr(), *pair) };
-                for h in 0..2 {
-                    let lanes = [0, 1, 2, 3, 4, 5, 6, 7].map(|j| all[2 * j + h]);
-                    let k = 2 * p + h;
-                    o[k] = if MINS {
-                        hsum8(lanes) + m[4 * r + k]
-                    } else {
-                        hsum8(lanes)
-                    };
-                }
-            }
-        }
+        let sums = finish(acc);
+        let rows = if MINS {
+            _mm512_add_ps(sums, _mm512_permutexvar_ps(by_row, summs))
+        } else {
+            sums
+        };
+        let mut all = [[0f32; 4]; 4];
+        // SAFETY: `all` holds exactly sixteen f32; the store is unaligned.
+        unsafe { _mm512_storeu_ps(all.as_mut_ptr().cast(), rows) };
+        outs.copy_from_slice(&all[..outs.len()]);
     }
+}
+
+/// The sixteen results of a tile, lane `4r + k` for activation row `r` and weight row `k`:
+/// each accumulator's eight lanes of a row summed exactly as [`super::hsum8`] does — lanes `j` and
+/// `j + 4`, then the two halves' pairs, then the last two — for all of them at once.
+#[inline]
+#[target_feature(enable = "avx512f")]
+fn finish(acc: [[__m512; 2]; 4]) -> __m512 {
+    // Row h of an accumulator has its lane j at 2j + h, so lane j + 4 is 8 lanes on.
+    let halves = |x: __m512, y: __m512| {
+        _mm512_add_ps(
+            _mm512_shuffle_f32x4::<0b01_00_01_00>(x, y),
+            _mm512_shuffle_f32x4::<0b11_10_11_10>(x, y),
+        )
+    };
+    // Each accumulator's 8 lanes: the first 4 plus the next 4.
+    let quarters = |x: __m512, y: __m512| {
+        _mm512_add_ps(
+            _mm512_shuffle_f32x4::<0b10_00_10_00>(x, y),
+            _mm512_shuffle_f32x4::<0b11_01_11_01>(x, y),
+        )
+    };
+    let u = acc.map(|[a, b]| halves(a, b));
+    let (v, w) = (quarters(u[0], u[1]), quarters(u[2], u[3]));
+    // Lanes (0, 1) plus (2, 3) of each 128-bit quarter.
+    let f = _mm512_add_ps(
+        _mm512_shuffle_ps::<0b01_00_01_00>(v, w),
+        _mm512_shuffle_ps::<0b11_10_11_10>(v, w),
+    );
+    // Lane 4q + 2s + h of `f` holds weight row k = q / 2 + 2s against activation row
+    // r = 2 (q % 2) + h; gathered to lane 4r + k.
+    let order = _mm512_setr_epi32(0, 8, 2, 10, 1, 9, 3, 11, 4, 12, 6, 14, 5, 13, 7, 15);
+    _mm512_permutexvar_ps(order, f)
 }
 
 #[cfg(test)]

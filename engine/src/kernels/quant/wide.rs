@@ -195,15 +195,17 @@ pub(super) struct WideActs {
 impl WideActs {
     /// Lays out `acts` for weights of `format`.
     pub(super) fn new(cpu: Avx512, format: WeightFormat, acts: &[QuantizedRow]) -> Self {
-        let _ = cpu;
         let blocks = acts.first().map_or(0, |a| a.d.len());
+        assert!(acts
+            .iter()
+            .all(|a| a.d.len() == blocks && a.q.len() == blocks * BLOCK));
         let mins = format == WeightFormat::Q4_1;
-        // What makes the weights unsigned: raw nibbles are 8 above Q4_0's values, flipped
-        // sign bits 128 above Q8_0's.
-        let offset = match format {
-            WeightFormat::Q4_1 => 0,
-            WeightFormat::Q4_0 => 8,
-            WeightFormat::Q8_0 => 128,
+        // What makes the weights unsigned, as a power of two: raw nibbles are 8 above Q4_0's
+        // values, flipped sign bits 128 above Q8_0's.
+        let shift = match format {
+            WeightFormat::Q4_1 => None,
+            WeightFormat::Q4_0 => Some(3),
+            WeightFormat::Q8_0 => Some(7),
         };
         let cells = acts.len().div_ceil(4) * blocks * 2;
         let mut out = WideActs {
@@ -218,23 +220,12 @@ impl WideActs {
             },
             ds: vec![[0.0; 8]; cells / 2],
         };
+        let _ = cpu;
+        // SAFETY: `cpu` exists only where `detect` found every feature `interleave` enables.
+        unsafe { interleave(&mut out, shift, acts) };
         for (n, a) in acts.iter().enumerate() {
             let (g, r) = (n / 4, n % 4);
-            let (pair, h) = (r / 2, r % 2);
-            for (i, q) in a.q.chunks_exact(BLOCK).enumerate() {
-                let cell = (g * blocks + i) * 2 + pair;
-                for (j, four) in q.chunks_exact(4).enumerate() {
-                    let lane = 4 * (2 * j + h);
-                    for (b, &v) in out.q[cell].0[lane..lane + 4].iter_mut().zip(four) {
-                        *b = v as u8;
-                    }
-                    if !mins {
-                        let sum: i32 = four.iter().map(|&v| i32::from(v)).sum();
-                        out.start[cell].0[lane..lane + 4]
-                            .copy_from_slice(&(-offset * sum).to_le_bytes());
-                    }
-                }
-                let ds = &mut out.ds[g * blocks + i];
+            for (i, ds) in out.ds[g * blocks..(g + 1) * blocks].iter_mut().enumerate() {
                 ds[r] = a.d[i];
                 if mins {
                     ds[4 + r] = a.s[i];
@@ -247,6 +238,50 @@ impl WideActs {
     /// How many activation rows (without padding).
     pub(super) fn rows(&self) -> usize {
         self.rows
+    }
+}
+
+/// Fills `out.q` (and, with `shift`, `out.start` as minus `2^shift` times each four values'
+/// sum) from `acts`, two rows per cell (a missing second row reads as zeros).
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
+fn interleave(out: &mut WideActs, shift: Option<u32>, acts: &[QuantizedRow]) {
+    let blocks = out.blocks;
+    // Group j of the first row to lane 2j, of the second to lane 2j + 1.
+    let pairs = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
+    let ones = _mm512_set1_epi8(1);
+    let zeros = [0i8; BLOCK];
+    for (p, rows) in acts.chunks(2).enumerate() {
+        for i in 0..blocks {
+            let at = i * BLOCK..(i + 1) * BLOCK;
+            let first = &rows[0].q[at.clone()];
+            let second = rows.get(1).map_or(&zeros[..], |r| &r.q[at]);
+            // SAFETY: each slice holds exactly 32 bytes (rows were checked in `new`); the
+            // loads are unaligned.
+            let (a, b) = unsafe {
+                (
+                    _mm256_loadu_si256(first.as_ptr().cast()),
+                    _mm256_loadu_si256(second.as_ptr().cast()),
+                )
+            };
+            let cell = _mm512_permutex2var_epi32(
+                _mm512_castsi256_si512(a),
+                pairs,
+                _mm512_castsi256_si512(b),
+            );
+            // Cell `[group][block][pair]`; pair `p` is group `p / 2`'s pair `p % 2`.
+            let at = (p / 2 * blocks + i) * 2 + p % 2;
+            // SAFETY: each `Lane64` is 64 bytes aligned to 64: aligned stores.
+            unsafe { _mm512_store_si512(out.q[at].0.as_mut_ptr().cast(), cell) };
+            if let Some(shift) = shift {
+                let sums = _mm512_dpbusd_epi32(_mm512_setzero_si512(), ones, cell);
+                let start = _mm512_sub_epi32(
+                    _mm512_setzero_si512(),
+                    _mm512_sll_epi32(sums, _mm_cvtsi32_si128(shift as i32)),
+                );
+                // SAFETY: as above.
+                unsafe { _mm512_store_si512(out.start[at].0.as_mut_ptr().cast(), start) };
+            }
+        }
     }
 }
 

@@ -384,18 +384,47 @@ impl Llama {
 fn rms_norm(x: &Tensor, w: &[f32], eps: f32) -> Result<Tensor> {
     let (rows, h) = x.dims2()?;
     let mut data = to_f32_vec(x)?;
-    data.par_chunks_mut(rows_per_task(h) * h.max(1))
+    if h == 0 {
+        return Ok(Tensor::from_vec(data, (rows, h), x.device())?);
+    }
+    data.par_chunks_mut(rows_per_task(h).next_multiple_of(SUM_ROWS) * h)
         .for_each(|rows| {
-            for row in rows.chunks_exact_mut(h) {
-                let sum: f64 = row.iter().map(|&v| f64::from(v * v)).sum();
-                let mean = (sum / h as f64) as f32;
-                let scale = 1.0 / (mean + eps).sqrt();
-                for (v, &g) in row.iter_mut().zip(w) {
-                    *v = (*v * scale) * g;
+            for group in rows.chunks_mut(SUM_ROWS * h) {
+                let sums = sums_of_squares(group, h);
+                for (row, sum) in group.chunks_exact_mut(h).zip(sums) {
+                    let mean = (sum / h as f64) as f32;
+                    let scale = 1.0 / (mean + eps).sqrt();
+                    for (v, &g) in row.iter_mut().zip(w) {
+                        *v = (*v * scale) * g;
+                    }
                 }
             }
         });
     Ok(Tensor::from_vec(data, (rows, h), x.device())?)
+}
+
+/// Rows whose sums of squares [`sums_of_squares`] runs side by side.
+const SUM_ROWS: usize = 8;
+
+/// Each row's (up to [`SUM_ROWS`] rows of `h` values) sum of squares, each square in f32
+/// added in f64 in value order as ggml does; the rows' chains interleave, so their
+/// additions overlap instead of each waiting on the last.
+fn sums_of_squares(group: &[f32], h: usize) -> Vec<f64> {
+    let n = group.len() / h;
+    let mut sums = [0f64; SUM_ROWS];
+    if n == SUM_ROWS {
+        for i in 0..h {
+            for (r, sum) in sums.iter_mut().enumerate() {
+                let v = group[r * h + i];
+                *sum += f64::from(v * v);
+            }
+        }
+    } else {
+        for (row, sum) in group.chunks_exact(h).zip(&mut sums) {
+            *sum = row.iter().map(|&v| f64::from(v * v)).sum();
+        }
+    }
+    sums[..n].to_vec()
 }
 
 fn check_batch(batch: &Batch<'_>, max_pos: usize) -> Result<()> {
@@ -495,6 +524,33 @@ mod tests {
         Linear {
             weight: Matmul::Quant(weight),
             bias,
+        }
+    }
+
+    #[test]
+    fn rms_norm_gives_every_row_its_one_row_result_whatever_rows_share_the_call() {
+        // 8-row groups sum side by side; a lone row or a short last group one by one.
+        let h = 96;
+        let x: Vec<f32> = (0..19 * h)
+            .map(|i| ((i * 7919 % 1009) as f32 - 504.0) * 1e-2)
+            .collect();
+        let w: Vec<f32> = (0..h).map(|i| 0.5 + i as f32 * 0.01).collect();
+        let all = Tensor::from_vec(x.clone(), (19, h), &Device::Cpu).expect("tensor");
+        let all = to_f32_vec(&rms_norm(&all, &w, 1e-5).expect("norm")).expect("values");
+        for (r, want_row) in x.chunks(h).enumerate() {
+            let one = Tensor::from_vec(want_row.to_vec(), (1, h), &Device::Cpu).expect("tensor");
+            let one = to_f32_vec(&rms_norm(&one, &w, 1e-5).expect("norm")).expect("values");
+            // ggml: squares in f32 summed in f64 in order, 1/sqrt(mean + eps) in f32.
+            let sum: f64 = want_row.iter().map(|&v| f64::from(v * v)).sum();
+            let scale = 1.0 / ((sum / h as f64) as f32 + 1e-5).sqrt();
+            let want: Vec<u32> = want_row
+                .iter()
+                .zip(&w)
+                .map(|(&v, &g)| ((v * scale) * g).to_bits())
+                .collect();
+            let bits = |v: &[f32]| v.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+            assert_eq!(bits(&all[r * h..(r + 1) * h]), want, "row {r} of 19");
+            assert_eq!(bits(&one), want, "row {r} alone");
         }
     }
 

@@ -43,10 +43,8 @@ pub struct HeadJob<'a, T> {
     pub keys: KvBlocks<'a, T>,
     /// The sequence's values in this layer.
     pub values: KvBlocks<'a, T>,
-    /// Where the KV head's values start within a cache row.
-    pub offset: usize,
-    /// Values per cache row (every KV head's).
-    pub width: usize,
+    /// The KV head.
+    pub head: usize,
     /// The last position attended to.
     pub last: usize,
     /// The factor applied to each q·k.
@@ -167,23 +165,37 @@ mod f16c {
     }
 }
 
-/// One sequence's keys (or values) in one layer: rows of `kv_heads * head_dim` values,
-/// `block_size` rows per block, blocks in position order.
+/// One sequence's keys (or values) in one layer: blocks in position order, each holding
+/// `block_size` positions of every KV head, head by head (`[kv_head][position][head_dim]`,
+/// see [`head_row`]), so the rows one attention task reads follow each other in memory.
 #[derive(Debug, Clone, Copy)]
 pub struct KvBlocks<'a, T> {
     /// The sequence's blocks, in position order.
     pub blocks: &'a [&'a [T]],
-    /// Rows per block.
+    /// Positions per block.
     pub block_size: usize,
 }
 
+/// Where KV head `head`'s row (`head_dim` values) for position `at` of a block starts in
+/// the block.
+pub fn head_row(block_size: usize, head_dim: usize, head: usize, at: usize) -> usize {
+    (head * block_size + at) * head_dim
+}
+
 impl<T> KvBlocks<'_, T> {
-    /// Rows `from..from + n` in order, walking the blocks instead of dividing each
-    /// position by the block size.
-    fn rows(&self, from: usize, n: usize, width: usize) -> impl Iterator<Item = &[T]> + '_ {
+    /// KV head `head`'s rows of `d` values at positions `from..from + n`, in order, walking
+    /// the blocks instead of dividing each position by the block size.
+    fn rows(
+        &self,
+        head: usize,
+        d: usize,
+        from: usize,
+        n: usize,
+    ) -> impl Iterator<Item = &[T]> + '_ {
         let (mut block, mut at) = (from / self.block_size, from % self.block_size);
+        let base = head_row(self.block_size, d, head, 0);
         (0..n).map(move |_| {
-            let row = &self.blocks[block][at * width..(at + 1) * width];
+            let row = &self.blocks[block][base + at * d..base + (at + 1) * d];
             at += 1;
             if at == self.block_size {
                 (block, at) = (block + 1, 0);
@@ -257,7 +269,6 @@ fn attention_with<T: KvElement>(
         head_dim: d,
     } = shape;
     let group = heads / kv_heads;
-    let width = kv_heads * d;
     let scale = 1.0 / (d as f32).sqrt();
     let owner: Vec<usize> = seqs
         .iter()
@@ -289,8 +300,7 @@ fn attention_with<T: KvElement>(
         let job = HeadJob {
             keys,
             values,
-            offset: h / group * d,
-            width,
+            head: h / group,
             last: positions[i],
             scale,
         };
@@ -318,13 +328,13 @@ fn attention_with<T: KvElement>(
 /// One query head (`scratch.q`) over its KV head, one position at a time: the portable loop
 /// that every vector kernel must equal bit for bit. Writes the head's output to `acc`.
 fn portable_head<T: KvElement>(job: HeadJob<'_, T>, acc: &mut [f32], scratch: &mut Scratch<T>) {
-    let span = job.offset..job.offset + acc.len();
+    let (d, n) = (acc.len(), job.last + 1);
     let Scratch { q, k, v, round } = scratch;
     acc.iter_mut().for_each(|a| *a = 0.0);
     let (mut max, mut sum) = (f32::NEG_INFINITY, 0f32);
-    let rows = job.keys.rows(0, job.last + 1, job.width);
-    for (key, value) in rows.zip(job.values.rows(0, job.last + 1, job.width)) {
-        T::widen(&key[span.clone()], k);
+    let rows = job.keys.rows(job.head, d, 0, n);
+    for (key, value) in rows.zip(job.values.rows(job.head, d, 0, n)) {
+        T::widen(key, k);
         let s = dot(q, k) * job.scale;
         let (mut ms, mut vs) = (1f32, 1f32);
         if s > max {
@@ -335,7 +345,7 @@ fn portable_head<T: KvElement>(job: HeadJob<'_, T>, acc: &mut [f32], scratch: &m
         } else {
             vs = (s - max).exp();
         }
-        T::widen(&value[span.clone()], v);
+        T::widen(value, v);
         for (a, &x) in acc.iter_mut().zip(v.iter()) {
             *a = x.mul_add(vs, *a);
         }
@@ -584,8 +594,7 @@ mod avx512 {
         let HeadJob {
             keys,
             values,
-            offset,
-            width,
+            head,
             last,
             scale,
         } = job;
@@ -609,14 +618,13 @@ mod avx512 {
             // (a long context is far beyond the caches, and each row is read once per step).
             let ahead = CHUNK.min((last + 1).saturating_sub(first + CHUNK));
             for rows in [&keys, &values] {
-                for row in rows.rows(first + CHUNK, ahead, width) {
-                    for line in row[offset..offset + d].chunks(32) {
+                for row in rows.rows(head, d, first + CHUNK, ahead) {
+                    for line in row.chunks(32) {
                         _mm_prefetch::<_MM_HINT_T0>(line.as_ptr().cast());
                     }
                 }
             }
-            for (j, k) in keys.rows(first, n, width).enumerate() {
-                let k = &k[offset..offset + d];
+            for (j, k) in keys.rows(head, d, first, n).enumerate() {
                 let mut kx = [_mm512_setzero_ps(); N];
                 for (c, kx) in kx.iter_mut().enumerate() {
                     *kx = load16(k, 16 * c);
@@ -636,8 +644,7 @@ mod avx512 {
                 }
             }
             softmax_chunk(&scores, n, &mut max, &mut sum, &mut ms, &mut vs);
-            for (j, v) in values.rows(first, n, width).enumerate() {
-                let v = &v[offset..offset + d];
+            for (j, v) in values.rows(head, d, first, n).enumerate() {
                 let mut vx = [_mm512_setzero_ps(); N];
                 for (c, vx) in vx.iter_mut().enumerate() {
                     *vx = load16(v, 16 * c);
@@ -913,19 +920,34 @@ mod tests {
             let width = kv_heads * d;
             let val =
                 |i: usize, salt: usize| (((i * 7919 + salt) % 211) as f32 / 211.0 - 0.5) * 3.0;
-            let cache = |salt: usize, rows: usize| -> Vec<f16> {
-                (0..rows * width)
-                    .map(|i| f16::from_f32(val(i, salt)))
-                    .collect()
+            // Position-major rows of `width` values laid out as the cache holds them: blocks
+            // of 16 positions, head by head, the last block padded.
+            let cache_of = |rows: Vec<f32>| -> Vec<f16> {
+                let n = rows.len() / width;
+                let mut out = vec![f16::ZERO; n.next_multiple_of(16) * width];
+                for (pos, row) in rows.chunks(width).enumerate() {
+                    for (h, part) in row.chunks(d).enumerate() {
+                        let at = pos / 16 * 16 * width + head_row(16, d, h, pos % 16);
+                        for (o, &x) in out[at..at + d].iter_mut().zip(part) {
+                            *o = f16::from_f32(x);
+                        }
+                    }
+                }
+                out
+            };
+            let cache = |salt: usize, rows: usize| {
+                cache_of((0..rows * width).map(|i| val(i, salt)).collect())
             };
             let (k0, v0, k1, v1) = (cache(1, 40), cache(2, 40), cache(3, 24), cache(4, 24));
             // A third sequence whose keys grow with the position: a head whose query sums
             // positive raises its maximum in every chunk, one whose query sums negative never
             // after the first (the two softmax paths of the vector kernel), over a partial
             // last chunk.
-            let ramp: Vec<f16> = (0..100 * width)
-                .map(|i| f16::from_f32((i / width) as f32 / 40.0))
-                .collect();
+            let ramp = cache_of(
+                (0..100 * width)
+                    .map(|i| (i / width) as f32 / 40.0)
+                    .collect(),
+            );
             let v2 = cache(6, 100);
             fn blocks(x: &[f16], rows: usize) -> Vec<&[f16]> {
                 x.chunks(rows).collect()

@@ -1,13 +1,16 @@
-//! KV storage in blocks: per layer one buffer of `num_blocks * block_size` rows for K and
-//! one for V. New keys and values are written through the slot mapping
-//! (`slot = table[pos / block_size] * block_size + pos % block_size`) and attention reads
-//! them through the sequence's block table — a sequence's cache is never copied.
+//! KV storage in blocks: per layer one buffer of `num_blocks` blocks for K and one for V,
+//! each block `block_size` positions of every KV head, head by head (so attention over one
+//! head reads consecutive memory). New keys and values are written through the slot mapping
+//! (block `table[pos / block_size]`, position `pos % block_size` within it) and attention
+//! reads them through the sequence's block table — a sequence's cache is never copied.
 
 use candle_core::Tensor;
 
 use super::block_pool::BlockId;
 use crate::error::{Error, Result};
-use crate::kernels::attention::{paged_attention_batch, HeadShape, KvBlocks, KvElement, SeqKv};
+use crate::kernels::attention::{
+    head_row, paged_attention_batch, HeadShape, KvBlocks, KvElement, SeqKv,
+};
 use crate::model::llama::{to_f32_vec, Batch, KvCache, KvDtype, Llama, SeqSlice};
 
 /// A paged cache whose block tables are set for each step; `SeqSlice::cache_slot` indexes
@@ -20,16 +23,25 @@ pub trait PagedCache: KvCache + Send {
 /// Paged storage for `model` in the element type `dtype` resolves to.
 pub fn new_paged(model: &Llama, dtype: KvDtype, block_size: usize) -> Box<dyn PagedCache> {
     let c = model.config();
-    let width = c.num_kv_heads * c.head_dim;
     let f16 = match dtype {
         KvDtype::F16 => true,
         KvDtype::F32 => false,
         KvDtype::Auto => model.kv_prefers_f16(),
     };
     if f16 {
-        Box::new(PagedKv::<half::f16>::new(block_size, c.num_layers, width))
+        Box::new(PagedKv::<half::f16>::new(
+            block_size,
+            c.num_layers,
+            c.num_kv_heads,
+            c.head_dim,
+        ))
     } else {
-        Box::new(PagedKv::<f32>::new(block_size, c.num_layers, width))
+        Box::new(PagedKv::<f32>::new(
+            block_size,
+            c.num_layers,
+            c.num_kv_heads,
+            c.head_dim,
+        ))
     }
 }
 
@@ -98,6 +110,8 @@ impl KvCache for SingleSequence {
 #[derive(Debug)]
 pub struct PagedKv<T> {
     block_size: usize,
+    head_dim: usize,
+    /// Values per token: every KV head's.
     width: usize,
     layers: Vec<(Vec<T>, Vec<T>)>,
     tables: Vec<Vec<BlockId>>,
@@ -108,10 +122,11 @@ impl<T: KvElement> PagedKv<T> {
     /// `kv_heads * head_dim` keys and as many values. Buffers grow to the highest block id
     /// written (the pool hands out low ids first), so memory follows peak use rather than
     /// the pool's size.
-    pub fn new(block_size: usize, layers: usize, width: usize) -> Self {
+    pub fn new(block_size: usize, layers: usize, kv_heads: usize, head_dim: usize) -> Self {
         PagedKv {
             block_size,
-            width,
+            head_dim,
+            width: kv_heads * head_dim,
             layers: (0..layers).map(|_| (Vec::new(), Vec::new())).collect(),
             tables: Vec::new(),
         }
@@ -135,7 +150,7 @@ impl<T: KvElement> PagedKv<T> {
         kd: &[f32],
         vd: &[f32],
     ) -> Result<usize> {
-        let (bs, width) = (self.block_size, self.width);
+        let (bs, width, d) = (self.block_size, self.width, self.head_dim);
         let table = self
             .tables
             .get(seq.cache_slot)
@@ -155,11 +170,14 @@ impl<T: KvElement> PagedKv<T> {
             cv.resize(highest * bs * width, T::default());
         }
         for (i, &pos) in positions.iter().enumerate() {
-            let slot = table[pos / bs] as usize * bs + pos % bs;
+            let block = table[pos / bs] as usize * bs * width;
             for (cache, new) in [(&mut *ck, kd), (&mut *cv, vd)] {
                 let row = &new[i * width..(i + 1) * width];
-                for (dst, &x) in cache[slot * width..(slot + 1) * width].iter_mut().zip(row) {
-                    *dst = T::from_f32(x);
+                for (head, part) in row.chunks_exact(d).enumerate() {
+                    let at = block + head_row(bs, d, head, pos % bs);
+                    for (dst, &x) in cache[at..at + d].iter_mut().zip(part) {
+                        *dst = T::from_f32(x);
+                    }
                 }
             }
         }

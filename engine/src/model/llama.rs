@@ -66,6 +66,18 @@ impl Linear {
             None => y,
         })
     }
+
+    /// [`Linear::forward`] as row-major values.
+    fn forward_vec(&self, x: &Tensor) -> Result<Vec<f32>> {
+        let mut y = self.weight.forward_vec(x)?;
+        if let Some(b) = &self.bias {
+            let b = b.to_vec1::<f32>()?;
+            for row in y.chunks_exact_mut(b.len().max(1)) {
+                row.iter_mut().zip(&b).for_each(|(y, b)| *y += b);
+            }
+        }
+        Ok(y)
+    }
 }
 
 /// Projections of one input (Q/K/V, or gate/up), their outputs side by side per token.
@@ -353,39 +365,55 @@ impl Llama {
         let n = batch.tokens.len();
         check_batch(batch, c.max_position_embeddings)?;
         let ids = Tensor::from_slice(batch.tokens, n, &self.device)?;
-        let mut x = self.embed.index_select(&ids, 0)?;
+        // The residual stream, `[n, hidden]`: each block's outputs are added in place.
+        let mut x = to_f32_vec(&self.embed.index_select(&ids, 0)?)?;
+        let eps = c.rms_norm_eps as f32;
         for (layer, b) in self.blocks.iter().enumerate() {
-            let y = rms_norm(&x, &b.attn_norm, c.rms_norm_eps as f32)?;
+            let y = self.rms_norm(&x, &b.attn_norm, eps)?;
             let [q, k, v] = self.split_qkv(&b.qkv.forward(&y)?, batch.positions)?;
             let attn = cache.attend(layer, batch, &q, &k, &v)?;
-            x = (x + b.o.forward(&attn)?)?;
-            let y = rms_norm(&x, &b.ffn_norm, c.rms_norm_eps as f32)?;
+            add_into(&mut x, &b.o.forward_vec(&attn)?);
+            let y = self.rms_norm(&x, &b.ffn_norm, eps)?;
             let act = swiglu_rows(&b.gate_up.forward(&y)?, c.intermediate_size);
             let act = Tensor::from_vec(act, (n, c.intermediate_size), &self.device)?;
-            x = (x + b.down.forward(&act)?)?;
+            add_into(&mut x, &b.down.forward_vec(&act)?);
         }
         if rows.is_empty() {
             return Ok(Tensor::zeros((0, c.vocab_size), DType::F32, &self.device)?);
         }
         // Rows are increasing indexes into the batch, so as many rows as tokens means all.
+        let h = c.hidden_size;
         let x = if rows.len() == n {
             x
         } else {
-            x.index_select(&Tensor::from_slice(rows, rows.len(), &self.device)?, 0)?
+            rows.iter()
+                .flat_map(|&r| &x[r as usize * h..(r as usize + 1) * h])
+                .copied()
+                .collect()
         };
-        let x = rms_norm(&x, &self.norm, c.rms_norm_eps as f32)?;
+        let x = self.rms_norm(&x, &self.norm, eps)?;
         Ok(self.lm_head.forward(&x)?.to_dtype(DType::F32)?)
+    }
+
+    /// [`rms_norm`] of the rows in `x` as a `[rows, hidden]` tensor.
+    fn rms_norm(&self, x: &[f32], w: &[f32], eps: f32) -> Result<Tensor> {
+        let h = self.config.hidden_size;
+        let rows = x.len() / h.max(1);
+        Ok(Tensor::from_vec(
+            rms_norm(x, h, w, eps),
+            (rows, h),
+            &self.device,
+        )?)
     }
 }
 
 /// RMSNorm with ggml's arithmetic: squares in f32 summed in f64, `1 / sqrt(mean + eps)` in
 /// f32, the row scaled, then multiplied by the weight (activation quantization downstream
 /// sees bit-identical inputs, so GGUF models reproduce llama.cpp).
-fn rms_norm(x: &Tensor, w: &[f32], eps: f32) -> Result<Tensor> {
-    let (rows, h) = x.dims2()?;
-    let mut data = to_f32_vec(x)?;
+fn rms_norm(x: &[f32], h: usize, w: &[f32], eps: f32) -> Vec<f32> {
+    let mut data = x.to_vec();
     if h == 0 {
-        return Ok(Tensor::from_vec(data, (rows, h), x.device())?);
+        return data;
     }
     data.par_chunks_mut(rows_per_task(h).next_multiple_of(SUM_ROWS) * h)
         .for_each(|rows| {
@@ -400,7 +428,16 @@ fn rms_norm(x: &Tensor, w: &[f32], eps: f32) -> Result<Tensor> {
                 }
             }
         });
-    Ok(Tensor::from_vec(data, (rows, h), x.device())?)
+    data
+}
+
+/// `x += y`, element by element (the residual connection), spread over the threads for
+/// long batches.
+fn add_into(x: &mut [f32], y: &[f32]) {
+    let per_task = rows_per_task(1);
+    x.par_chunks_mut(per_task)
+        .zip(y.par_chunks(per_task))
+        .for_each(|(x, y)| x.iter_mut().zip(y).for_each(|(x, y)| *x += y));
 }
 
 /// Rows whose sums of squares [`sums_of_squares`] runs side by side.
@@ -535,11 +572,9 @@ mod tests {
             .map(|i| ((i * 7919 % 1009) as f32 - 504.0) * 1e-2)
             .collect();
         let w: Vec<f32> = (0..h).map(|i| 0.5 + i as f32 * 0.01).collect();
-        let all = Tensor::from_vec(x.clone(), (19, h), &Device::Cpu).expect("tensor");
-        let all = to_f32_vec(&rms_norm(&all, &w, 1e-5).expect("norm")).expect("values");
+        let all = rms_norm(&x, h, &w, 1e-5);
         for (r, want_row) in x.chunks(h).enumerate() {
-            let one = Tensor::from_vec(want_row.to_vec(), (1, h), &Device::Cpu).expect("tensor");
-            let one = to_f32_vec(&rms_norm(&one, &w, 1e-5).expect("norm")).expect("values");
+            let one = rms_norm(want_row, h, &w, 1e-5);
             // ggml: squares in f32 summed in f64 in order, 1/sqrt(mean + eps) in f32.
             let sum: f64 = want_row.iter().map(|&v| f64::from(v * v)).sum();
             let scale = 1.0 / ((sum / h as f64) as f32 + 1e-5).sqrt();

@@ -371,17 +371,45 @@ mod avx512 {
 
     use super::HeadJob;
 
-    /// `_mm512_reduce_add_ps` as GCC expands it (see `reduce16`).
+    /// Lane `p`: the sum of `z[p]`'s sixteen lanes as GCC expands `_mm512_reduce_add_ps`
+    /// (what ggml's f16 dot ends with; see the portable `reduce16`) — lanes `i` and `i + 8`,
+    /// then `i` and `i + 4`, then `i` and `i + 2`, then the last two — for all sixteen at
+    /// once: each lane adds the same pairs in the same order, but the sixteen reductions
+    /// share their shuffles and additions.
     #[inline]
     #[target_feature(enable = "avx512f")]
-    fn reduce16(a: __m512) -> f32 {
-        let t = _mm256_add_ps(
-            _mm512_castps512_ps256(a),
-            _mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(_mm512_castps_pd(a))),
+    fn reduce16x16(z: &[__m512; 16]) -> __m512 {
+        // Lanes i and i + 8 of two vectors: [a 0..8 | b 0..8].
+        let halves = |a: __m512, b: __m512| {
+            _mm512_add_ps(
+                _mm512_shuffle_f32x4::<0b01_00_01_00>(a, b),
+                _mm512_shuffle_f32x4::<0b11_10_11_10>(a, b),
+            )
+        };
+        // Lanes i and i + 4 of each 8: [a 0..4 | b 0..4 | c 0..4 | d 0..4].
+        let quarters = |x: __m512, y: __m512| {
+            _mm512_add_ps(
+                _mm512_shuffle_f32x4::<0b10_00_10_00>(x, y),
+                _mm512_shuffle_f32x4::<0b11_01_11_01>(x, y),
+            )
+        };
+        let t: [__m512; 8] = std::array::from_fn(|k| halves(z[2 * k], z[2 * k + 1]));
+        let u: [__m512; 4] = std::array::from_fn(|k| quarters(t[2 * k], t[2 * k + 1]));
+        // Lanes (0 + 2, 1 + 3) of each quarter: [x pos q: 2 lanes | y pos q: 2 lanes].
+        let pairs = |x: __m512, y: __m512| {
+            _mm512_add_ps(
+                _mm512_shuffle_ps::<0b01_00_01_00>(x, y),
+                _mm512_shuffle_ps::<0b11_10_11_10>(x, y),
+            )
+        };
+        let (v0, v1) = (pairs(u[0], u[1]), pairs(u[2], u[3]));
+        // The last pair of each: lane 4q + s holds position q + 4s.
+        let w = _mm512_add_ps(
+            _mm512_shuffle_ps::<0b10_00_10_00>(v0, v1),
+            _mm512_shuffle_ps::<0b11_01_11_01>(v0, v1),
         );
-        let u = _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps::<1>(t));
-        let v = _mm_add_ps(u, _mm_movehl_ps(u, u));
-        _mm_cvtss_f32(_mm_add_ss(v, _mm_shuffle_ps::<1>(v, v)))
+        let order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+        _mm512_permutexvar_ps(order, w)
     }
 
     /// Sixteen f16 widened to f32.
@@ -610,6 +638,8 @@ mod avx512 {
         let mut acc = [[_mm512_setzero_ps(); N]; G];
         let (mut max, mut sum) = ([f32::NEG_INFINITY; G], [0f32; G]);
         let mut scores = [[0f32; CHUNK]; G];
+        // Each position's 16 lanes of q · k, reduced for the whole chunk at once.
+        let mut lanes16 = [[_mm512_setzero_ps(); CHUNK]; G];
         let (mut ms, mut vs) = ([[1f32; CHUNK]; G], [[0f32; CHUNK]; G]);
         let mut first = 0;
         while first <= last {
@@ -636,12 +666,17 @@ mod avx512 {
                     for c in 0..N {
                         lanes[c % 4] = _mm512_fmadd_ps(q[g][c], kx[c], lanes[c % 4]);
                     }
-                    let z = _mm512_add_ps(
+                    lanes16[g][j] = _mm512_add_ps(
                         _mm512_add_ps(lanes[0], lanes[2]),
                         _mm512_add_ps(lanes[1], lanes[3]),
                     );
-                    scores[g][j] = reduce16(z) * scale;
                 }
+            }
+            let scale16 = _mm512_set1_ps(scale);
+            for (scores, lanes16) in scores.iter_mut().zip(&lanes16) {
+                let s = _mm512_mul_ps(reduce16x16(lanes16), scale16);
+                // SAFETY: `scores` holds exactly sixteen f32; the store is unaligned.
+                unsafe { _mm512_storeu_ps(scores.as_mut_ptr(), s) };
             }
             softmax_chunk(&scores, n, &mut max, &mut sum, &mut ms, &mut vs);
             for (j, v) in values.rows(head, d, first, n).enumerate() {

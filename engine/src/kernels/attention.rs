@@ -370,6 +370,7 @@ mod avx512 {
     use half::f16;
 
     use super::HeadJob;
+    use crate::kernels::fold::{halves, pairs, quarters};
 
     /// Lane `p`: the sum of `z[p]`'s sixteen lanes as GCC expands `_mm512_reduce_add_ps`
     /// (what ggml's f16 dot ends with; see the portable `reduce16`) — lanes `i` and `i + 8`,
@@ -379,29 +380,9 @@ mod avx512 {
     #[inline]
     #[target_feature(enable = "avx512f")]
     fn reduce16x16(z: &[__m512; 16]) -> __m512 {
-        // Lanes i and i + 8 of two vectors: [a 0..8 | b 0..8].
-        let halves = |a: __m512, b: __m512| {
-            _mm512_add_ps(
-                _mm512_shuffle_f32x4::<0b01_00_01_00>(a, b),
-                _mm512_shuffle_f32x4::<0b11_10_11_10>(a, b),
-            )
-        };
-        // Lanes i and i + 4 of each 8: [a 0..4 | b 0..4 | c 0..4 | d 0..4].
-        let quarters = |x: __m512, y: __m512| {
-            _mm512_add_ps(
-                _mm512_shuffle_f32x4::<0b10_00_10_00>(x, y),
-                _mm512_shuffle_f32x4::<0b11_01_11_01>(x, y),
-            )
-        };
         let t: [__m512; 8] = std::array::from_fn(|k| halves(z[2 * k], z[2 * k + 1]));
         let u: [__m512; 4] = std::array::from_fn(|k| quarters(t[2 * k], t[2 * k + 1]));
-        // Lanes (0 + 2, 1 + 3) of each quarter: [x pos q: 2 lanes | y pos q: 2 lanes].
-        let pairs = |x: __m512, y: __m512| {
-            _mm512_add_ps(
-                _mm512_shuffle_ps::<0b01_00_01_00>(x, y),
-                _mm512_shuffle_ps::<0b11_10_11_10>(x, y),
-            )
-        };
+        // Each quarter: two lanes of a position of `u[0]` (or `u[2]`), two of `u[1]` (`u[3]`).
         let (v0, v1) = (pairs(u[0], u[1]), pairs(u[2], u[3]));
         // The last pair of each: lane 4q + s holds position q + 4s.
         let w = _mm512_add_ps(

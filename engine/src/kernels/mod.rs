@@ -2,6 +2,8 @@
 
 pub mod activation;
 pub mod attention;
+#[cfg(target_arch = "x86_64")]
+mod fold;
 pub mod quant;
 
 /// Rows each parallel task takes in row-by-row work on rows of `len` values: enough for

@@ -22,6 +22,7 @@
 use std::arch::x86_64::*;
 
 use super::{QuantizedRow, WeightFormat, BLOCK};
+use crate::kernels::fold::{halves, pairs, quarters};
 
 /// Proof that the CPU runs the 512-bit kernels — this one and the small-batch kernels in
 /// registers: AVX-512 F/BW/VNNI and the AVX2, FMA and F16C their helpers use (every such
@@ -372,27 +373,12 @@ fn tile_avx512<const MINS: bool>(quad: &mut WideQuad, acts: &WideActs, out: &mut
 #[inline]
 #[target_feature(enable = "avx512f")]
 fn finish(acc: [[__m512; 2]; 4]) -> __m512 {
-    // Row h of an accumulator has its lane j at 2j + h, so lane j + 4 is 8 lanes on.
-    let halves = |x: __m512, y: __m512| {
-        _mm512_add_ps(
-            _mm512_shuffle_f32x4::<0b01_00_01_00>(x, y),
-            _mm512_shuffle_f32x4::<0b11_10_11_10>(x, y),
-        )
-    };
-    // Each accumulator's 8 lanes: the first 4 plus the next 4.
-    let quarters = |x: __m512, y: __m512| {
-        _mm512_add_ps(
-            _mm512_shuffle_f32x4::<0b10_00_10_00>(x, y),
-            _mm512_shuffle_f32x4::<0b11_01_11_01>(x, y),
-        )
-    };
+    // Row h of an accumulator has its lane j at 2j + h, so lane j + 4 is 8 lanes on; then
+    // each accumulator's 8 lanes: the first 4 plus the next 4.
     let u = acc.map(|[a, b]| halves(a, b));
     let (v, w) = (quarters(u[0], u[1]), quarters(u[2], u[3]));
     // Lanes (0, 1) plus (2, 3) of each 128-bit quarter.
-    let f = _mm512_add_ps(
-        _mm512_shuffle_ps::<0b01_00_01_00>(v, w),
-        _mm512_shuffle_ps::<0b11_10_11_10>(v, w),
-    );
+    let f = pairs(v, w);
     // Lane 4q + 2s + h of `f` holds weight row k = q / 2 + 2s against activation row
     // r = 2 (q % 2) + h; gathered to lane 4r + k.
     let order = _mm512_setr_epi32(0, 8, 2, 10, 1, 9, 3, 11, 4, 12, 6, 14, 5, 13, 7, 15);

@@ -52,7 +52,8 @@ pub struct HeadJob<'a, T> {
 }
 
 /// Buffers a task reuses from one (token, KV head) unit to the next: the rounded queries,
-/// and for the portable loop the widened key and value rows and the rounding scratch.
+/// the rounding scratch (for the queries, and the portable loop's accumulator), and for the
+/// portable loop the widened key and value rows.
 struct Scratch<T> {
     q: Vec<f32>,
     k: Vec<f32>,

@@ -4,14 +4,12 @@
 //! (block `table[pos / block_size]`, position `pos % block_size` within it) and attention
 //! reads them through the sequence's block table — a sequence's cache is never copied.
 
-use candle_core::Tensor;
-
 use super::block_pool::BlockId;
 use crate::error::{Error, Result};
 use crate::kernels::attention::{
     head_row, paged_attention_batch, HeadShape, KvBlocks, KvElement, SeqKv,
 };
-use crate::model::llama::{to_f32_vec, Batch, KvCache, KvDtype, Llama, SeqSlice};
+use crate::model::llama::{Batch, KvCache, KvDtype, Llama, SeqSlice};
 
 /// A paged cache whose block tables are set for each step; `SeqSlice::cache_slot` indexes
 /// the tables.
@@ -70,10 +68,10 @@ impl KvCache for SingleSequence {
         &mut self,
         layer: usize,
         batch: &Batch<'_>,
-        q: &Tensor,
-        k: &Tensor,
-        v: &Tensor,
-    ) -> Result<Tensor> {
+        q: &[f32],
+        k: &[f32],
+        v: &[f32],
+    ) -> Result<Vec<f32>> {
         let [seq] = batch.seqs else {
             return Err(Error::InvalidParameter(format!(
                 "a single-sequence cache takes batches of one sequence, got {}",
@@ -190,19 +188,29 @@ impl<T: KvElement> KvCache for PagedKv<T> {
         &mut self,
         layer: usize,
         batch: &Batch<'_>,
-        q: &Tensor,
-        k: &Tensor,
-        v: &Tensor,
-    ) -> Result<Tensor> {
-        let (bs, width) = (self.block_size, self.width);
-        let (kd, vd) = (to_f32_vec(k)?, to_f32_vec(v)?);
+        q: &[f32],
+        k: &[f32],
+        v: &[f32],
+    ) -> Result<Vec<f32>> {
+        let (bs, width, head_dim) = (self.block_size, self.width, self.head_dim);
+        let len = batch.tokens.len();
+        let heads = q.len() / (len * head_dim).max(1);
+        if q.len() != len * heads * head_dim || k.len() != len * width || v.len() != k.len() {
+            return Err(Error::InvalidParameter(format!(
+                "attention of {len} tokens needs whole heads of {head_dim} queries and \
+                 {width} keys and values per token, got {}, {} and {} values",
+                q.len(),
+                k.len(),
+                v.len()
+            )));
+        }
+        let (kd, vd) = (k, v);
         let mut used = Vec::with_capacity(batch.seqs.len());
         for s in batch.seqs {
             let rows = s.start * width..(s.start + s.len) * width;
             let positions = &batch.positions[s.start..s.start + s.len];
             used.push(self.store(layer, s, positions, &kd[rows.clone()], &vd[rows])?);
         }
-        let (len, heads, head_dim) = q.dims3()?;
         let (ck, cv) = &self.layers[layer];
         // Each sequence's block slices, then the views over them the kernel reads.
         let tables: Vec<&[BlockId]> = batch
@@ -241,7 +249,7 @@ impl<T: KvElement> KvCache for PagedKv<T> {
             .collect();
         let mut out = vec![0f32; len * heads * head_dim];
         paged_attention_batch(
-            &to_f32_vec(q)?,
+            q,
             batch.positions,
             &kv,
             HeadShape {
@@ -251,6 +259,6 @@ impl<T: KvElement> KvCache for PagedKv<T> {
             },
             &mut out,
         );
-        Ok(Tensor::from_vec(out, (len, heads * head_dim), q.device())?)
+        Ok(out)
     }
 }

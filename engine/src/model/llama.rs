@@ -38,17 +38,18 @@ pub struct Batch<'a> {
 
 /// Storage for keys and values between steps, and the attention that reads them.
 pub trait KvCache {
-    /// Stores `k`/`v` (`[tokens, kv_heads, head_dim]`) of every sequence of `batch` in
-    /// `layer`, then returns causal attention of `q` (`[tokens, heads, head_dim]`), each
-    /// token over its own sequence's keys so far, as `[tokens, heads * head_dim]`.
+    /// Stores `k`/`v` (row-major `[tokens, kv_heads * head_dim]`) of every sequence of
+    /// `batch` in `layer`, then returns causal attention of `q` (`[tokens, heads *
+    /// head_dim]`), each token over its own sequence's keys so far, as row-major
+    /// `[tokens, heads * head_dim]`.
     fn attend(
         &mut self,
         layer: usize,
         batch: &Batch<'_>,
-        q: &Tensor,
-        k: &Tensor,
-        v: &Tensor,
-    ) -> Result<Tensor>;
+        q: &[f32],
+        k: &[f32],
+        v: &[f32],
+    ) -> Result<Vec<f32>>;
 }
 
 /// A projection, optionally with a bias (Qwen2's Q/K/V).
@@ -59,17 +60,10 @@ struct Linear {
 }
 
 impl Linear {
-    fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let y = self.weight.forward(x)?;
-        Ok(match &self.bias {
-            Some(b) => y.broadcast_add(b)?,
-            None => y,
-        })
-    }
-
-    /// [`Linear::forward`] as row-major values.
-    fn forward_vec(&self, x: &Tensor) -> Result<Vec<f32>> {
-        let mut y = self.weight.forward_vec(x)?;
+    /// `x` (row-major rows of `cols` values) times the transposed weight, plus the bias, as
+    /// row-major values.
+    fn forward_rows(&self, x: &[f32], cols: usize, device: &Device) -> Result<Vec<f32>> {
+        let mut y = self.weight.forward_rows(x, cols, device)?;
         if let Some(b) = &self.bias {
             let b = b.to_vec1::<f32>()?;
             for row in y.chunks_exact_mut(b.len().max(1)) {
@@ -119,13 +113,13 @@ impl Fanout {
         })
     }
 
-    /// All projections of `x` (`[tokens, cols]`) as one row-major `[tokens, Σ widths]`
-    /// vector: each token's outputs of every part, in the order given to [`Fanout::new`],
-    /// biases added.
-    fn forward(&self, x: &Tensor) -> Result<Vec<f32>> {
+    /// All projections of row-major `x` (`[tokens, cols]`) as one row-major
+    /// `[tokens, Σ widths]` vector: each token's outputs of every part, in the order given to
+    /// [`Fanout::new`], biases added.
+    fn forward(&self, x: &[f32], cols: usize, device: &Device) -> Result<Vec<f32>> {
         let parts = match self {
             Fanout::Stacked { weight, parts } => {
-                let mut y = weight.forward_vec(x)?;
+                let mut y = weight.forward_rows(x, cols, device)?;
                 if parts.iter().all(|(_, bias)| bias.is_none()) {
                     return Ok(y);
                 }
@@ -146,9 +140,9 @@ impl Fanout {
         };
         let outs = parts
             .iter()
-            .map(|l| to_f32_vec(&l.forward(x)?))
+            .map(|l| l.forward_rows(x, cols, device))
             .collect::<Result<Vec<_>>>()?;
-        let tokens = x.dims2()?.0;
+        let tokens = x.len() / cols.max(1);
         let mut y = Vec::with_capacity(outs.iter().map(Vec::len).sum());
         for t in 0..tokens {
             for out in &outs {
@@ -292,9 +286,9 @@ impl Llama {
     }
 
     /// Q, K and V from one stacked projection (`qkv`: each token's Q, K and V values side by
-    /// side), Q and K rotated to each token's position, as `[tokens, heads, head_dim]`
-    /// tensors; tokens spread over the threads.
-    fn split_qkv(&self, qkv: &[f32], positions: &[usize]) -> Result<[Tensor; 3]> {
+    /// side), Q and K rotated to each token's position, each as row-major `[tokens, heads *
+    /// head_dim]` values; tokens spread over the threads.
+    fn split_qkv(&self, qkv: &[f32], positions: &[usize]) -> [Vec<f32>; 3] {
         let c = &self.config;
         let d = c.head_dim;
         let (wq, wk) = (c.num_heads * d, c.num_kv_heads * d);
@@ -323,12 +317,7 @@ impl Llama {
                     self.rotate(k, p);
                 }
             });
-        let device = &self.device;
-        Ok([
-            Tensor::from_vec(q, (n, c.num_heads, d), device)?,
-            Tensor::from_vec(k, (n, c.num_kv_heads, d), device)?,
-            Tensor::from_vec(v, (n, c.num_kv_heads, d), device)?,
-        ])
+        [q, k, v]
     }
 
     /// Whether `KvDtype::Auto` resolves to f16 (any checkpoint that is not all f32).
@@ -367,22 +356,26 @@ impl Llama {
         let ids = Tensor::from_slice(batch.tokens, n, &self.device)?;
         // The residual stream, `[n, hidden]`: each block's outputs are added in place.
         let mut x = to_f32_vec(&self.embed.index_select(&ids, 0)?)?;
-        let eps = c.rms_norm_eps as f32;
+        let (eps, h, dev) = (c.rms_norm_eps as f32, c.hidden_size, &self.device);
         for (layer, b) in self.blocks.iter().enumerate() {
-            let y = self.rms_norm(&x, &b.attn_norm, eps)?;
-            let [q, k, v] = self.split_qkv(&b.qkv.forward(&y)?, batch.positions)?;
+            let y = rms_norm(&x, h, &b.attn_norm, eps);
+            let [q, k, v] = self.split_qkv(&b.qkv.forward(&y, h, dev)?, batch.positions);
             let attn = cache.attend(layer, batch, &q, &k, &v)?;
-            add_into(&mut x, &b.o.forward_vec(&attn)?);
-            let y = self.rms_norm(&x, &b.ffn_norm, eps)?;
-            let act = swiglu_rows(&b.gate_up.forward(&y)?, c.intermediate_size);
-            let act = Tensor::from_vec(act, (n, c.intermediate_size), &self.device)?;
-            add_into(&mut x, &b.down.forward_vec(&act)?);
+            add_into(
+                &mut x,
+                &b.o.forward_rows(&attn, c.num_heads * c.head_dim, dev)?,
+            );
+            let y = rms_norm(&x, h, &b.ffn_norm, eps);
+            let act = swiglu_rows(&b.gate_up.forward(&y, h, dev)?, c.intermediate_size);
+            add_into(
+                &mut x,
+                &b.down.forward_rows(&act, c.intermediate_size, dev)?,
+            );
         }
         if rows.is_empty() {
             return Ok(Tensor::zeros((0, c.vocab_size), DType::F32, &self.device)?);
         }
         // Rows are increasing indexes into the batch, so as many rows as tokens means all.
-        let h = c.hidden_size;
         let x = if rows.len() == n {
             x
         } else {
@@ -391,19 +384,10 @@ impl Llama {
                 .copied()
                 .collect()
         };
-        let x = self.rms_norm(&x, &self.norm, eps)?;
-        Ok(self.lm_head.forward(&x)?.to_dtype(DType::F32)?)
-    }
-
-    /// [`rms_norm`] of the rows in `x` as a `[rows, hidden]` tensor.
-    fn rms_norm(&self, x: &[f32], w: &[f32], eps: f32) -> Result<Tensor> {
-        let h = self.config.hidden_size;
-        let rows = x.len() / h.max(1);
-        Ok(Tensor::from_vec(
-            rms_norm(x, h, w, eps),
-            (rows, h),
-            &self.device,
-        )?)
+        let logits = self
+            .lm_head
+            .forward_rows(&rms_norm(&x, h, &self.norm, eps), h, dev)?;
+        Ok(Tensor::from_vec(logits, (rows.len(), c.vocab_size), dev)?)
     }
 }
 
@@ -603,8 +587,11 @@ mod tests {
         let x: Vec<f32> = (0..3 * 64)
             .map(|i| ((i * 11) % 19) as f32 / 19.0 - 0.5)
             .collect();
-        let x = Tensor::from_vec(x, (3, 64), &Device::Cpu).expect("input");
-        let (got, want) = (stacked.forward(&x), separate.forward(&x));
+        let dev = Device::Cpu;
+        let (got, want) = (
+            stacked.forward(&x, 64, &dev),
+            separate.forward(&x, 64, &dev),
+        );
         assert_eq!(got.expect("stacked"), want.expect("separate"));
     }
 

@@ -1,7 +1,7 @@
 //! Named weights of a Llama-family model, and the trait that GGUF and safetensors loaders implement.
 
 use candle_core::quantized::QMatMul;
-use candle_core::{Device, Module, Tensor};
+use candle_core::{DType, Device, Module, Tensor};
 
 use crate::error::Result;
 use crate::kernels::quant::QuantMatrix;
@@ -17,26 +17,16 @@ pub enum Matmul {
 }
 
 impl Matmul {
-    /// `x` (`[tokens, cols]`) times the transposed weight.
-    pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
+    /// Row-major `x` (`[tokens, cols]`) times the transposed weight, as a row-major vector:
+    /// our kernel reads the rows where they are; candle's gets them as a tensor on `device`.
+    pub fn forward_rows(&self, x: &[f32], cols: usize, device: &Device) -> Result<Vec<f32>> {
         match self {
-            Matmul::Quant(w) => {
-                let (m, _) = x.dims2()?;
-                Ok(Tensor::from_vec(
-                    self.forward_vec(x)?,
-                    (m, w.rows()),
-                    x.device(),
-                )?)
+            Matmul::Quant(w) => Ok(w.matmul(x)),
+            Matmul::Candle(w) => {
+                let x = Tensor::from_slice(x, (x.len() / cols.max(1), cols), device)?;
+                let y = w.forward(&x)?.flatten_all()?.to_dtype(DType::F32)?;
+                Ok(y.to_vec1::<f32>()?)
             }
-            Matmul::Candle(w) => Ok(w.forward(x)?),
-        }
-    }
-
-    /// [`Matmul::forward`] as a row-major vector.
-    pub fn forward_vec(&self, x: &Tensor) -> Result<Vec<f32>> {
-        match self {
-            Matmul::Quant(w) => Ok(w.matmul(&x.flatten_all()?.to_vec1::<f32>()?)),
-            Matmul::Candle(w) => Ok(w.forward(x)?.flatten_all()?.to_vec1::<f32>()?),
         }
     }
 

@@ -262,3 +262,77 @@ impl<T: KvElement> KvCache for PagedKv<T> {
         Ok(out)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A one-layer f32 cache of blocks of 4 positions, 2 KV heads of 8 values, whose only
+    /// sequence owns blocks `table`.
+    fn cache(table: Vec<BlockId>) -> PagedKv<f32> {
+        let mut kv = PagedKv::<f32>::new(4, 1, 2, 8);
+        kv.set_tables(vec![table]);
+        kv
+    }
+
+    #[test]
+    fn each_query_head_reads_its_own_kv_heads_values_across_blocks() {
+        // 6 tokens of one sequence over blocks 3 and 1 (not in id order), 4 query heads on
+        // 2 KV heads. Zero queries weigh every position alike, so token t's output for a head
+        // is the mean of its KV head's value rows 0..=t, summed in position order.
+        let mut kv = cache(vec![3, 1]);
+        let (n, width) = (6, 16);
+        let tokens = vec![0u32; n];
+        let positions: Vec<usize> = (0..n).collect();
+        let seqs = [SeqSlice {
+            start: 0,
+            len: n,
+            cache_slot: 0,
+        }];
+        let batch = Batch {
+            tokens: &tokens,
+            positions: &positions,
+            seqs: &seqs,
+        };
+        let k = vec![0.5f32; n * width];
+        let v: Vec<f32> = (0..n * width).map(|i| i as f32 * 0.25 - 3.0).collect();
+        let q = vec![0f32; n * 4 * 8];
+        let out = kv.attend(0, &batch, &q, &k, &v).expect("sizes agree");
+        for t in 0..n {
+            for head in 0..4 {
+                let kv_head = head / 2;
+                let mut acc = [0f32; 8];
+                for p in 0..=t {
+                    let row = &v[p * width + kv_head * 8..p * width + (kv_head + 1) * 8];
+                    acc.iter_mut()
+                        .zip(row)
+                        .for_each(|(a, &x)| *a = x.mul_add(1.0, *a));
+                }
+                let inv = 1.0 / (t + 1) as f32;
+                let want: Vec<f32> = acc.iter().map(|a| a * inv).collect();
+                let at = (t * 4 + head) * 8;
+                assert_eq!(out[at..at + 8], want[..], "token {t}, head {head}");
+            }
+        }
+    }
+
+    #[test]
+    fn a_batch_whose_sizes_disagree_is_refused_with_the_counts() {
+        let mut kv = cache(vec![0]);
+        let seqs = [SeqSlice {
+            start: 0,
+            len: 1,
+            cache_slot: 0,
+        }];
+        let batch = Batch {
+            tokens: &[0],
+            positions: &[0],
+            seqs: &seqs,
+        };
+        let (q, k, v) = (vec![0f32; 32], vec![0f32; 16], vec![0f32; 15]);
+        let err = kv
+            .attend(0, &batch, &q, &k, &v)
+            .expect_err("15 values refused");
+        assert!(err.to_string().contains("got 32, 16 and 15"), "{err}");
+    }
+}

@@ -56,7 +56,7 @@ pub trait KvCache {
 #[derive(Debug, Clone)]
 struct Linear {
     weight: Matmul,
-    bias: Option<Tensor>,
+    bias: Option<Vec<f32>>,
 }
 
 impl Linear {
@@ -64,10 +64,9 @@ impl Linear {
     /// row-major values.
     fn forward_rows(&self, x: &[f32], cols: usize, device: &Device) -> Result<Vec<f32>> {
         let mut y = self.weight.forward_rows(x, cols, device)?;
-        if let Some(b) = &self.bias {
-            let b = b.to_vec1::<f32>()?;
-            for row in y.chunks_exact_mut(b.len().max(1)) {
-                row.iter_mut().zip(&b).for_each(|(y, b)| *y += b);
+        if let Some(bias) = &self.bias {
+            for row in y.chunks_exact_mut(bias.len().max(1)) {
+                row.iter_mut().zip(bias).for_each(|(y, b)| *y += b);
             }
         }
         Ok(y)
@@ -80,17 +79,16 @@ impl Linear {
 /// output row is computed exactly as it would be alone.
 #[derive(Debug, Clone)]
 enum Fanout {
-    /// One stacked matrix, and each part's output features and bias, in order.
-    Stacked {
-        weight: Matmul,
-        parts: Vec<(usize, Option<Vec<f32>>)>,
-    },
+    /// One stacked projection. Its bias, if any part has one, is the parts' biases side by
+    /// side, an unbiased part's stretch holding -0.0: adding it leaves every value as it is,
+    /// the sign of a zero included.
+    Stacked(Linear),
     /// Each projection on its own (candle formats).
     Separate(Vec<Linear>),
 }
 
 impl Fanout {
-    fn new(parts: Vec<Linear>) -> Result<Self> {
+    fn new(parts: Vec<Linear>) -> Self {
         let quant: Option<Vec<&QuantMatrix>> = parts
             .iter()
             .map(|l| match &l.weight {
@@ -98,18 +96,20 @@ impl Fanout {
                 Matmul::Candle(_) => None,
             })
             .collect();
-        let stacked = quant.as_deref().and_then(QuantMatrix::stack);
-        let (Some(weight), Some(quant)) = (stacked, quant) else {
-            return Ok(Fanout::Separate(parts));
+        let (Some(weight), Some(quant)) = (quant.as_deref().and_then(QuantMatrix::stack), &quant)
+        else {
+            return Fanout::Separate(parts);
         };
-        let parts = quant
-            .iter()
-            .zip(&parts)
-            .map(|(w, l)| Ok((w.rows(), l.bias.as_ref().map(to_f32_vec).transpose()?)))
-            .collect::<Result<_>>()?;
-        Ok(Fanout::Stacked {
+        let bias = parts.iter().any(|l| l.bias.is_some()).then(|| {
+            quant
+                .iter()
+                .zip(&parts)
+                .flat_map(|(w, l)| l.bias.clone().unwrap_or_else(|| vec![-0.0; w.rows()]))
+                .collect()
+        });
+        Fanout::Stacked(Linear {
             weight: Matmul::Quant(weight),
-            parts,
+            bias,
         })
     }
 
@@ -118,24 +118,7 @@ impl Fanout {
     /// [`Fanout::new`], biases added.
     fn forward(&self, x: &[f32], cols: usize, device: &Device) -> Result<Vec<f32>> {
         let parts = match self {
-            Fanout::Stacked { weight, parts } => {
-                let mut y = weight.forward_rows(x, cols, device)?;
-                if parts.iter().all(|(_, bias)| bias.is_none()) {
-                    return Ok(y);
-                }
-                let row: usize = parts.iter().map(|(width, _)| width).sum();
-                for token in y.chunks_exact_mut(row) {
-                    let mut part = token;
-                    for (width, bias) in parts {
-                        let (this, rest) = part.split_at_mut(*width);
-                        for (v, &b) in this.iter_mut().zip(bias.iter().flatten()) {
-                            *v += b;
-                        }
-                        part = rest;
-                    }
-                }
-                return Ok(y);
-            }
+            Fanout::Stacked(stacked) => return stacked.forward_rows(x, cols, device),
             Fanout::Separate(parts) => parts,
         };
         let outs = parts
@@ -193,13 +176,13 @@ impl Llama {
             bytes += weight.bytes();
             let bias = match (c.architecture, name) {
                 (Architecture::Qwen2, WeightName::Q(l)) => {
-                    Some(src.vector(WeightName::QBias(l), out)?)
+                    Some(to_f32_vec(&src.vector(WeightName::QBias(l), out)?)?)
                 }
                 (Architecture::Qwen2, WeightName::K(l)) => {
-                    Some(src.vector(WeightName::KBias(l), out)?)
+                    Some(to_f32_vec(&src.vector(WeightName::KBias(l), out)?)?)
                 }
                 (Architecture::Qwen2, WeightName::V(l)) => {
-                    Some(src.vector(WeightName::VBias(l), out)?)
+                    Some(to_f32_vec(&src.vector(WeightName::VBias(l), out)?)?)
                 }
                 _ => None,
             };
@@ -213,13 +196,13 @@ impl Llama {
                     linear(src, WeightName::Q(l), c.num_heads * hd, h)?,
                     linear(src, WeightName::K(l), c.num_kv_heads * hd, h)?,
                     linear(src, WeightName::V(l), c.num_kv_heads * hd, h)?,
-                ])?,
+                ]),
                 o: linear(src, WeightName::O(l), h, c.num_heads * hd)?,
                 ffn_norm: to_f32_vec(&src.vector(WeightName::FfnNorm(l), h)?)?,
                 gate_up: Fanout::new(vec![
                     linear(src, WeightName::Gate(l), c.intermediate_size, h)?,
                     linear(src, WeightName::Up(l), c.intermediate_size, h)?,
-                ])?,
+                ]),
                 down: linear(src, WeightName::Down(l), h, c.intermediate_size)?,
             });
         }
@@ -538,10 +521,7 @@ mod tests {
             data.extend((0..32).map(|j| ((j * 7 + b * 13 + salt) % 255) as u8));
         }
         let weight = QuantMatrix::from_gguf(WeightFormat::Q8_0, rows, cols, &data).expect("sizes");
-        let bias = bias.then(|| {
-            let values: Vec<f32> = (0..rows).map(|i| i as f32 * 0.37 - 1.1).collect();
-            Tensor::from_vec(values, rows, &Device::Cpu).expect("bias")
-        });
+        let bias = bias.then(|| (0..rows).map(|i| i as f32 * 0.37 - 1.1).collect());
         Linear {
             weight: Matmul::Quant(weight),
             bias,
@@ -581,8 +561,8 @@ mod tests {
             q8_linear(4, 2, false),
             q8_linear(4, 3, true),
         ];
-        let stacked = Fanout::new(parts.clone()).expect("biases convert");
-        assert!(matches!(stacked, Fanout::Stacked { .. }));
+        let stacked = Fanout::new(parts.clone());
+        assert!(matches!(stacked, Fanout::Stacked(_)));
         let separate = Fanout::Separate(parts);
         let x: Vec<f32> = (0..3 * 64)
             .map(|i| ((i * 11) % 19) as f32 / 19.0 - 0.5)
@@ -592,7 +572,8 @@ mod tests {
             stacked.forward(&x, 64, &dev),
             separate.forward(&x, 64, &dev),
         );
-        assert_eq!(got.expect("stacked"), want.expect("separate"));
+        let bits = |v: Vec<f32>| v.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+        assert_eq!(bits(got.expect("stacked")), bits(want.expect("separate")));
     }
 
     #[test]

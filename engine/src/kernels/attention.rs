@@ -22,6 +22,8 @@ pub trait KvElement: Copy + Default + Send + Sync + std::fmt::Debug + 'static {
     fn to_f32(self) -> f32;
     /// Widens a row into `dst` (same length).
     fn widen(src: &[Self], dst: &mut [f32]);
+    /// Narrows a row into `dst` (same length), rounding as [`KvElement::from_f32`] does.
+    fn narrow(src: &[f32], dst: &mut [Self]);
     /// Rounds every value of `x` to this precision and back, using `scratch` (same length).
     fn round_slice(x: &mut [f32], scratch: &mut [Self]);
     /// A vectorized kernel for one (query, head) with `head_dim` values per head, if this
@@ -71,6 +73,9 @@ impl KvElement for f32 {
     fn widen(src: &[Self], dst: &mut [f32]) {
         dst.copy_from_slice(src);
     }
+    fn narrow(src: &[f32], dst: &mut [Self]) {
+        dst.copy_from_slice(src);
+    }
     fn round_slice(_: &mut [f32], _: &mut [Self]) {}
 }
 
@@ -86,6 +91,12 @@ impl KvElement for f16 {
         f16c::widen(src, dst);
         #[cfg(not(all(target_arch = "x86_64", target_feature = "f16c")))]
         src.convert_to_f32_slice(dst);
+    }
+    fn narrow(src: &[f32], dst: &mut [Self]) {
+        #[cfg(all(target_arch = "x86_64", target_feature = "f16c"))]
+        f16c::narrow(src, dst);
+        #[cfg(not(all(target_arch = "x86_64", target_feature = "f16c")))]
+        dst.convert_from_f32_slice(src);
     }
     fn head_kernel(head_dim: usize) -> Option<HeadKernel<Self>> {
         #[cfg(target_arch = "x86_64")]
@@ -144,6 +155,27 @@ mod f16c {
         }
         for (s, d) in src[whole..n].iter().zip(&mut dst[whole..n]) {
             *d = s.to_f32();
+        }
+    }
+
+    /// Narrows `src` into `dst` (same length), rounding to nearest even.
+    #[inline]
+    pub fn narrow(src: &[f32], dst: &mut [f16]) {
+        let n = src.len().min(dst.len());
+        let whole = n / 8 * 8;
+        for (s, d) in src[..whole]
+            .chunks_exact(8)
+            .zip(dst[..whole].chunks_exact_mut(8))
+        {
+            // SAFETY: F16C and AVX are enabled at compile time (this module's cfg); `s` holds
+            // eight f32 and `d` eight f16 (16 bytes), accessed unaligned, exactly those bytes.
+            unsafe {
+                let h = _mm256_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(_mm256_loadu_ps(s.as_ptr()));
+                _mm_storeu_si128(d.as_mut_ptr().cast(), h);
+            }
+        }
+        for (s, d) in src[whole..n].iter().zip(&mut dst[whole..n]) {
+            *d = f16::from_f32(*s);
         }
     }
 
@@ -838,6 +870,12 @@ mod tests {
             want.iter().map(|v| v.to_bits()).collect::<Vec<_>>()
         );
         let halves: Vec<f16> = x.iter().map(|&v| f16::from_f32(v)).collect();
+        let mut narrow = vec![f16::ZERO; x.len()];
+        <f16 as KvElement>::narrow(&x, &mut narrow);
+        assert_eq!(
+            narrow.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+            halves.iter().map(|v| v.to_bits()).collect::<Vec<_>>()
+        );
         let mut wide = vec![0f32; halves.len()];
         <f16 as KvElement>::widen(&halves, &mut wide);
         assert_eq!(

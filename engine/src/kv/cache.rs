@@ -173,9 +173,7 @@ impl<T: KvElement> PagedKv<T> {
                 let row = &new[i * width..(i + 1) * width];
                 for (head, part) in row.chunks_exact(d).enumerate() {
                     let at = block + head_row(bs, d, head, pos % bs);
-                    for (dst, &x) in cache[at..at + d].iter_mut().zip(part) {
-                        *dst = T::from_f32(x);
-                    }
+                    T::narrow(part, &mut cache[at..at + d]);
                 }
             }
         }
@@ -204,12 +202,11 @@ impl<T: KvElement> KvCache for PagedKv<T> {
                 v.len()
             )));
         }
-        let (kd, vd) = (k, v);
         let mut used = Vec::with_capacity(batch.seqs.len());
         for s in batch.seqs {
             let rows = s.start * width..(s.start + s.len) * width;
             let positions = &batch.positions[s.start..s.start + s.len];
-            used.push(self.store(layer, s, positions, &kd[rows.clone()], &vd[rows])?);
+            used.push(self.store(layer, s, positions, &k[rows.clone()], &v[rows])?);
         }
         let (ck, cv) = &self.layers[layer];
         // Each sequence's block slices, then the views over them the kernel reads.

@@ -412,11 +412,11 @@ const SUM_ROWS: usize = 8;
 
 /// Each row's (up to [`SUM_ROWS`] rows of `h` values) sum of squares, each square in f32
 /// added in f64 in value order as ggml does; the rows' chains interleave, so their
-/// additions overlap instead of each waiting on the last.
-fn sums_of_squares(group: &[f32], h: usize) -> Vec<f64> {
-    let n = group.len() / h;
+/// additions overlap instead of each waiting on the last. Entries past the group's rows
+/// stay zero.
+fn sums_of_squares(group: &[f32], h: usize) -> [f64; SUM_ROWS] {
     let mut sums = [0f64; SUM_ROWS];
-    if n == SUM_ROWS {
+    if group.len() == SUM_ROWS * h {
         for i in 0..h {
             for (r, sum) in sums.iter_mut().enumerate() {
                 let v = group[r * h + i];
@@ -428,7 +428,7 @@ fn sums_of_squares(group: &[f32], h: usize) -> Vec<f64> {
             *sum = row.iter().map(|&v| f64::from(v * v)).sum();
         }
     }
-    sums[..n].to_vec()
+    sums
 }
 
 fn check_batch(batch: &Batch<'_>, max_pos: usize) -> Result<()> {

@@ -137,46 +137,52 @@ mod f16c {
 
     use half::f16;
 
-    /// Widens `src` into `dst` (same length).
+    /// `dst[i] = one(src[i])` over the shorter slice's length: `eight` takes exactly eight
+    /// of each at a time, `one` the rest.
     #[inline]
-    pub fn widen(src: &[f16], dst: &mut [f32]) {
+    fn by_eights<S: Copy, D>(
+        src: &[S],
+        dst: &mut [D],
+        eight: impl Fn(&[S], &mut [D]),
+        one: impl Fn(S) -> D,
+    ) {
         let n = src.len().min(dst.len());
         let whole = n / 8 * 8;
         for (s, d) in src[..whole]
             .chunks_exact(8)
             .zip(dst[..whole].chunks_exact_mut(8))
         {
-            // SAFETY: F16C and AVX are enabled at compile time (this module's cfg); `s` holds
-            // eight f16 (16 bytes) and `d` eight f32, accessed unaligned, exactly those bytes.
-            unsafe {
-                let h = _mm_loadu_si128(s.as_ptr().cast());
-                _mm256_storeu_ps(d.as_mut_ptr(), _mm256_cvtph_ps(h));
-            }
+            eight(s, d);
         }
         for (s, d) in src[whole..n].iter().zip(&mut dst[whole..n]) {
-            *d = s.to_f32();
+            *d = one(*s);
         }
+    }
+
+    /// Widens `src` into `dst` (same length).
+    #[inline]
+    pub fn widen(src: &[f16], dst: &mut [f32]) {
+        // SAFETY (both blocks): F16C and AVX are enabled at compile time (this module's cfg);
+        // `by_eights` hands over eight values of each slice, so every unaligned load and store
+        // touches exactly their 16 (f16) or 32 (f32) bytes.
+        let eight = |s: &[f16], d: &mut [f32]| unsafe {
+            _mm256_storeu_ps(
+                d.as_mut_ptr(),
+                _mm256_cvtph_ps(_mm_loadu_si128(s.as_ptr().cast())),
+            );
+        };
+        by_eights(src, dst, eight, f16::to_f32);
     }
 
     /// Narrows `src` into `dst` (same length), rounding to nearest even.
     #[inline]
     pub fn narrow(src: &[f32], dst: &mut [f16]) {
-        let n = src.len().min(dst.len());
-        let whole = n / 8 * 8;
-        for (s, d) in src[..whole]
-            .chunks_exact(8)
-            .zip(dst[..whole].chunks_exact_mut(8))
-        {
-            // SAFETY: F16C and AVX are enabled at compile time (this module's cfg); `s` holds
-            // eight f32 and `d` eight f16 (16 bytes), accessed unaligned, exactly those bytes.
-            unsafe {
-                let h = _mm256_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(_mm256_loadu_ps(s.as_ptr()));
-                _mm_storeu_si128(d.as_mut_ptr().cast(), h);
-            }
-        }
-        for (s, d) in src[whole..n].iter().zip(&mut dst[whole..n]) {
-            *d = f16::from_f32(*s);
-        }
+        // SAFETY: as in `widen`.
+        let eight = |s: &[f32], d: &mut [f16]| unsafe {
+            let h = _mm256_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(_mm256_loadu_ps(s.as_ptr()));
+            _mm_storeu_si128(d.as_mut_ptr().cast(), h);
+        };
+        by_eights(src, dst, eight, f16::from_f32);
     }
 
     /// Rounds every value of `x` to f16 and back.

@@ -16,13 +16,9 @@ use rayon::prelude::*;
 
 /// A KV cache element type.
 pub trait KvElement: Copy + Default + Send + Sync + std::fmt::Debug + 'static {
-    /// Converts (rounding) from f32.
-    fn from_f32(x: f32) -> Self;
-    /// Widens to f32.
-    fn to_f32(self) -> f32;
     /// Widens a row into `dst` (same length).
     fn widen(src: &[Self], dst: &mut [f32]);
-    /// Narrows a row into `dst` (same length), rounding as [`KvElement::from_f32`] does.
+    /// Narrows a row into `dst` (same length), rounding to nearest even.
     fn narrow(src: &[f32], dst: &mut [Self]);
     /// Rounds every value of `x` to this precision and back, using `scratch` (same length).
     fn round_slice(x: &mut [f32], scratch: &mut [Self]);
@@ -64,12 +60,6 @@ struct Scratch<T> {
 }
 
 impl KvElement for f32 {
-    fn from_f32(x: f32) -> Self {
-        x
-    }
-    fn to_f32(self) -> f32 {
-        self
-    }
     fn widen(src: &[Self], dst: &mut [f32]) {
         dst.copy_from_slice(src);
     }
@@ -80,12 +70,6 @@ impl KvElement for f32 {
 }
 
 impl KvElement for f16 {
-    fn from_f32(x: f32) -> Self {
-        f16::from_f32(x)
-    }
-    fn to_f32(self) -> f32 {
-        f16::to_f32(self)
-    }
     fn widen(src: &[Self], dst: &mut [f32]) {
         #[cfg(all(target_arch = "x86_64", target_feature = "f16c"))]
         f16c::widen(src, dst);
@@ -925,10 +909,9 @@ mod tests {
         let k: Vec<f32> = (0..ctx * d).map(val).collect();
         let v: Vec<f32> = (0..ctx * d).map(|i| val(i + 13)).collect();
         let q: Vec<f32> = (0..2 * d).map(|i| val(i + 5)).collect();
-        let (kt, vt): (Vec<T>, Vec<T>) = (
-            k.iter().map(|&x| T::from_f32(x)).collect(),
-            v.iter().map(|&x| T::from_f32(x)).collect(),
-        );
+        let (mut kt, mut vt) = (vec![T::default(); k.len()], vec![T::default(); v.len()]);
+        T::narrow(&k, &mut kt);
+        T::narrow(&v, &mut vt);
         // Blocks of 4 rows, the last one partly filled.
         let kb: Vec<&[T]> = kt.chunks(bs * d).collect();
         let vb: Vec<&[T]> = vt.chunks(bs * d).collect();

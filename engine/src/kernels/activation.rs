@@ -53,7 +53,7 @@ fn swiglu_portable(gate: &mut [f32], up: &[f32]) {
 pub fn swiglu_rows(gate_up: &[f32], width: usize) -> Vec<f32> {
     use rayon::prelude::*;
     let tokens = gate_up.len() / (2 * width).max(1);
-    let mut out = vec![0f32; tokens * width];
+    let mut out = super::buffers::take(tokens * width);
     let rows = super::rows_per_task(width);
     out.par_chunks_mut(rows * width.max(1))
         .zip(gate_up.par_chunks(rows * 2 * width.max(1)))

@@ -2,6 +2,7 @@
 
 pub mod activation;
 pub mod attention;
+pub mod buffers;
 #[cfg(target_arch = "x86_64")]
 mod fold;
 pub mod quant;

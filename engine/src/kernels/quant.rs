@@ -205,7 +205,7 @@ impl QuantMatrix {
                 .div_ceil(rayon::current_num_threads() * TASKS_PER_THREAD)
                 .next_multiple_of(4),
         );
-        let mut out = vec![0f32; m * self.rows];
+        let mut out = super::buffers::take(m * self.rows);
         let tasks = self.rows.div_ceil(per_task);
         // Task-major: task `t`'s piece of output row `i` at `t * m + i`.
         let mut pieces: Vec<&mut [f32]> = std::iter::repeat_with(Default::default)
@@ -243,7 +243,7 @@ impl QuantMatrix {
 
     fn matmat_by_activation_rows(&self, x: &[f32], m: usize) -> Vec<f32> {
         let dot = dot_kernel(self.format);
-        let mut out = vec![0f32; m * self.rows];
+        let mut out = super::buffers::take(m * self.rows);
         let (fewest, most) = ACT_ROWS_PER_TASK;
         let fit = (TASK_OUTPUT_BYTES / (self.rows * 4).max(1)).clamp(fewest, most) / 4 * 4;
         let per_task = fit.min(m.div_ceil(rayon::current_num_threads()).max(1));

@@ -9,6 +9,7 @@ use crate::error::{Error, Result};
 use crate::kernels::attention::{
     head_row, paged_attention_batch, HeadShape, KvBlocks, KvElement, SeqKv,
 };
+use crate::kernels::buffers;
 use crate::model::llama::{Batch, KvCache, KvDtype, Llama, SeqSlice};
 
 /// A paged cache whose block tables are set for each step; `SeqSlice::cache_slot` indexes
@@ -244,7 +245,7 @@ impl<T: KvElement> KvCache for PagedKv<T> {
                 tokens: s.len,
             })
             .collect();
-        let mut out = vec![0f32; len * heads * head_dim];
+        let mut out = buffers::take(len * heads * head_dim);
         paged_attention_batch(
             q,
             batch.positions,

@@ -11,6 +11,7 @@ use super::config::{Architecture, ModelConfig, RopeStyle};
 use super::weights::{Matmul, WeightName, WeightSource};
 use crate::error::{Error, Result};
 use crate::kernels::activation::swiglu_rows;
+use crate::kernels::buffers::{self, recycle};
 use crate::kernels::quant::QuantMatrix;
 use crate::kernels::rows_per_task;
 
@@ -277,7 +278,11 @@ impl Llama {
         let (wq, wk) = (c.num_heads * d, c.num_kv_heads * d);
         let row = wq + 2 * wk;
         let n = positions.len();
-        let (mut q, mut k, mut v) = (vec![0f32; n * wq], vec![0f32; n * wk], vec![0f32; n * wk]);
+        let (mut q, mut k, mut v) = (
+            buffers::take(n * wq),
+            buffers::take(n * wk),
+            buffers::take(n * wk),
+        );
         let per_task = rows_per_task(row);
         q.par_chunks_mut(per_task * wq)
             .zip(k.par_chunks_mut(per_task * wk))
@@ -341,19 +346,28 @@ impl Llama {
         let mut x = to_f32_vec(&self.embed.index_select(&ids, 0)?)?;
         let (eps, h, dev) = (c.rms_norm_eps as f32, c.hidden_size, &self.device);
         for (layer, b) in self.blocks.iter().enumerate() {
+            // Each intermediate goes back to the thread's buffers once read, for the next
+            // layer and step to reuse.
             let y = rms_norm(&x, h, &b.attn_norm, eps);
-            let [q, k, v] = self.split_qkv(&b.qkv.forward(&y, h, dev)?, batch.positions);
+            let qkv = b.qkv.forward(&y, h, dev)?;
+            recycle(y);
+            let [q, k, v] = self.split_qkv(&qkv, batch.positions);
+            recycle(qkv);
             let attn = cache.attend(layer, batch, &q, &k, &v)?;
-            add_into(
-                &mut x,
-                &b.o.forward_rows(&attn, c.num_heads * c.head_dim, dev)?,
-            );
+            [q, k, v].into_iter().for_each(recycle);
+            let o = b.o.forward_rows(&attn, c.num_heads * c.head_dim, dev)?;
+            recycle(attn);
+            add_into(&mut x, &o);
+            recycle(o);
             let y = rms_norm(&x, h, &b.ffn_norm, eps);
-            let act = swiglu_rows(&b.gate_up.forward(&y, h, dev)?, c.intermediate_size);
-            add_into(
-                &mut x,
-                &b.down.forward_rows(&act, c.intermediate_size, dev)?,
-            );
+            let gate_up = b.gate_up.forward(&y, h, dev)?;
+            recycle(y);
+            let act = swiglu_rows(&gate_up, c.intermediate_size);
+            recycle(gate_up);
+            let down = b.down.forward_rows(&act, c.intermediate_size, dev)?;
+            recycle(act);
+            add_into(&mut x, &down);
+            recycle(down);
         }
         if rows.is_empty() {
             return Ok(Tensor::zeros((0, c.vocab_size), DType::F32, &self.device)?);
@@ -362,14 +376,18 @@ impl Llama {
         let x = if rows.len() == n {
             x
         } else {
-            rows.iter()
+            let picked = rows
+                .iter()
                 .flat_map(|&r| &x[r as usize * h..(r as usize + 1) * h])
                 .copied()
-                .collect()
+                .collect();
+            recycle(x);
+            picked
         };
-        let logits = self
-            .lm_head
-            .forward_rows(&rms_norm(&x, h, &self.norm, eps), h, dev)?;
+        let normed = rms_norm(&x, h, &self.norm, eps);
+        recycle(x);
+        let logits = self.lm_head.forward_rows(&normed, h, dev)?;
+        recycle(normed);
         Ok(Tensor::from_vec(logits, (rows.len(), c.vocab_size), dev)?)
     }
 }
@@ -378,7 +396,8 @@ impl Llama {
 /// f32, the row scaled, then multiplied by the weight (activation quantization downstream
 /// sees bit-identical inputs, so GGUF models reproduce llama.cpp).
 fn rms_norm(x: &[f32], h: usize, w: &[f32], eps: f32) -> Vec<f32> {
-    let mut data = x.to_vec();
+    let mut data = buffers::take(x.len());
+    data.copy_from_slice(x);
     if h == 0 {
         return data;
     }

@@ -360,10 +360,16 @@ fn tile_avx512<const MINS: bool>(quad: &mut WideQuad, acts: &WideActs, out: &mut
         } else {
             sums
         };
-        let mut all = [[0f32; 4]; 4];
-        // SAFETY: `all` holds exactly sixteen f32; the store is unaligned.
-        unsafe { _mm512_storeu_ps(all.as_mut_ptr().cast(), rows) };
-        outs.copy_from_slice(&all[..outs.len()]);
+        if outs.len() == 4 {
+            // SAFETY: four rows of four f32 are exactly sixteen contiguous f32; the store is
+            // unaligned. (A whole group is stored straight, not through a library copy.)
+            unsafe { _mm512_storeu_ps(outs.as_mut_ptr().cast(), rows) };
+        } else {
+            let mut all = [[0f32; 4]; 4];
+            // SAFETY: `all` holds exactly sixteen f32; the store is unaligned.
+            unsafe { _mm512_storeu_ps(all.as_mut_ptr().cast(), rows) };
+            outs.copy_from_slice(&all[..outs.len()]);
+        }
     }
 }
 

@@ -478,8 +478,9 @@ impl EngineLoop {
         };
         let (model, cache) = (&self.model.model, &mut self.cache);
         // One injection into the thread pool per step; its workers run the whole forward.
-        let logits = rayon::scope(|_| model.forward_rows(&batch, cache.as_mut(), &rows))?;
-        let mut logits = logits.to_vec2::<f32>()?.into_iter();
+        let mut all = rayon::scope(|_| model.logits(&batch, cache.as_mut(), &rows))?;
+        let vocab = all.len() / rows.len().max(1);
+        let mut logits = all.chunks_exact_mut(vocab.max(1));
         self.sched.complete(&plan);
         let mut finished = Vec::new();
         let mut generated = 0u64;
@@ -488,8 +489,8 @@ impl EngineLoop {
             if seq.computed != seq.tokens.len() {
                 continue;
             }
-            let Some(mut row) = logits.next() else { break };
-            let step = seq.state.step(&mut row, &self.model.tokenizer)?;
+            let Some(row) = logits.next() else { break };
+            let step = seq.state.step(row, &self.model.tokenizer)?;
             generated += 1;
             seq.tokens.push(step.token.id);
             let _ = seq.sink.events.send(Event::Token {
@@ -502,6 +503,7 @@ impl EngineLoop {
                 finished.push(s.index);
             }
         }
+        crate::kernels::buffers::recycle(all);
         for index in finished.into_iter().rev() {
             drop(self.sched.finish(index));
         }

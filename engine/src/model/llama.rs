@@ -338,6 +338,20 @@ impl Llama {
         cache: &mut dyn KvCache,
         rows: &[u32],
     ) -> Result<Tensor> {
+        let logits = self.logits(batch, cache, rows)?;
+        let shape = (rows.len(), self.config.vocab_size);
+        Ok(Tensor::from_vec(logits, shape, &self.device)?)
+    }
+
+    /// [`Llama::forward_rows`]'s logits as row-major values (`rows.len()` rows of `vocab`),
+    /// in a buffer the caller may hand back with [`buffers::recycle`] once it has read them,
+    /// so the next step's logits reuse its memory.
+    pub fn logits(
+        &self,
+        batch: &Batch<'_>,
+        cache: &mut dyn KvCache,
+        rows: &[u32],
+    ) -> Result<Vec<f32>> {
         let c = &self.config;
         let n = batch.tokens.len();
         check_batch(batch, c.max_position_embeddings)?;
@@ -346,8 +360,8 @@ impl Llama {
         let mut x = to_f32_vec(&self.embed.index_select(&ids, 0)?)?;
         let (eps, h, dev) = (c.rms_norm_eps as f32, c.hidden_size, &self.device);
         for (layer, b) in self.blocks.iter().enumerate() {
-            // Each intermediate goes back to the thread's buffers once read, for the next
-            // layer and step to reuse.
+            // Each intermediate goes back to the buffer pool once read, for the next layer
+            // and step to reuse.
             let y = rms_norm(&x, h, &b.attn_norm, eps);
             let qkv = b.qkv.forward(&y, h, dev)?;
             recycle(y);
@@ -370,7 +384,7 @@ impl Llama {
             recycle(down);
         }
         if rows.is_empty() {
-            return Ok(Tensor::zeros((0, c.vocab_size), DType::F32, &self.device)?);
+            return Ok(Vec::new());
         }
         // Rows are increasing indexes into the batch, so as many rows as tokens means all.
         let x = if rows.len() == n {
@@ -388,7 +402,7 @@ impl Llama {
         recycle(x);
         let logits = self.lm_head.forward_rows(&normed, h, dev)?;
         recycle(normed);
-        Ok(Tensor::from_vec(logits, (rows.len(), c.vocab_size), dev)?)
+        Ok(logits)
     }
 }
 

@@ -1,8 +1,9 @@
 //! Activation buffers recycled from one layer and step to the next, so a forward pass writes
 //! into memory the process already has mapped instead of fresh pages the OS must fault in
-//! and zero (a 2048-token prefill's gate/up output alone is 25 MB per layer; glibc hands
-//! buffers that large back to the OS when they are freed). What the pool keeps is about one
-//! layer's intermediates of the largest step, which the KV budget already sets aside.
+//! and zero (a 2048-token prefill's gate/up output alone is 25 MB per layer; glibc often
+//! hands buffers that large back to the OS when they are freed). What the pool keeps is
+//! about one layer's intermediates of the largest step, which the KV budget already sets
+//! aside.
 
 use std::sync::{Mutex, MutexGuard};
 

@@ -479,8 +479,7 @@ impl EngineLoop {
         let (model, cache) = (&self.model.model, &mut self.cache);
         // One injection into the thread pool per step; its workers run the whole forward.
         let mut all = rayon::scope(|_| model.logits(&batch, cache.as_mut(), &rows))?;
-        let vocab = all.len() / rows.len().max(1);
-        let mut logits = all.chunks_exact_mut(vocab.max(1));
+        let mut logits = all.chunks_exact_mut(model.config().vocab_size.max(1));
         self.sched.complete(&plan);
         let mut finished = Vec::new();
         let mut generated = 0u64;

@@ -139,7 +139,7 @@ enum Arrival {
 }
 
 /// One batching measurement.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone, Copy, Default)]
 struct Load {
     tokens_per_s: f64,
     ttft_p50: f64,
@@ -151,24 +151,78 @@ struct Load {
 }
 
 impl Load {
-    /// A table row: `label`, throughput and its ratio to `single`'s, TTFT (with
-    /// `ttft_ratio`, also p90 over `single`'s), KV waste at the peak's first step and mean.
-    fn row(&self, label: &str, single: &Load, ttft_ratio: bool) -> String {
+    /// A table row for `label` from its runs (one per round) against `single`'s runs of the
+    /// same rounds: the median run's throughput and the ratio of the two medians — with
+    /// more than one round and `range`, also the lowest and highest of the rounds' own
+    /// ratios — its TTFT (with `ttft_ratio`, also p90 over the median single run's), and
+    /// its KV waste at the peak's first step and mean.
+    fn row(label: &str, runs: &[Load], single: &[Load], range: bool, ttft_ratio: bool) -> String {
+        let (this, one) = (Load::median(runs), Load::median(single));
+        let per_round = |l: &Load, s: &Load| l.tokens_per_s / s.tokens_per_s.max(1e-9);
+        let spread = if range && runs.len() > 1 {
+            let ratios: Vec<f64> = runs
+                .iter()
+                .zip(single)
+                .map(|(l, s)| per_round(l, s))
+                .collect();
+            let low = ratios.iter().copied().fold(f64::INFINITY, f64::min);
+            let high = ratios.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+            format!(" ({low:.2}–{high:.2})")
+        } else {
+            String::new()
+        };
         let ratio = if ttft_ratio {
-            format!(" {:.2}× |", self.ttft_p90 / single.ttft_p90.max(1e-9))
+            format!(" {:.2}× |", this.ttft_p90 / one.ttft_p90.max(1e-9))
         } else {
             String::new()
         };
         format!(
-            "| {label} | {:.1} | {:.2}× | {:.2} s | {:.2} s |{ratio} {:.1} % / {:.1} % |",
-            self.tokens_per_s,
-            self.tokens_per_s / single.tokens_per_s.max(1e-9),
-            self.ttft_p50,
-            self.ttft_p90,
-            100.0 * self.waste_first,
-            100.0 * self.waste_mean
+            "| {label} | {:.1} | {:.2}×{spread} | {:.2} s | {:.2} s |{ratio} {:.1} % / {:.1} % |",
+            this.tokens_per_s,
+            per_round(&this, &one),
+            this.ttft_p50,
+            this.ttft_p90,
+            100.0 * this.waste_first,
+            100.0 * this.waste_mean
         )
     }
+
+    /// The run with the median throughput (of an even count, the lower of the middle two;
+    /// of none, an all-zero run).
+    fn median(runs: &[Load]) -> Load {
+        let mut sorted = runs.to_vec();
+        sorted.sort_by(|a, b| a.tokens_per_s.total_cmp(&b.tokens_per_s));
+        sorted
+            .get(sorted.len().saturating_sub(1) / 2)
+            .copied()
+            .unwrap_or_default()
+    }
+}
+
+/// One load of a batching table: the engine configuration, clients and arrival.
+struct Setup {
+    config: EngineConfig,
+    clients: usize,
+    arrival: Arrival,
+}
+
+/// Runs every setup `rounds` times, each round running each setup once in turn, so that
+/// the slow and fast phases of a shared machine fall on every row alike; returns each
+/// setup's runs in round order.
+fn measure(
+    path: &std::path::Path,
+    prompt: &[u32],
+    setups: &[Setup],
+    rounds: usize,
+) -> Result<Vec<Vec<Load>>> {
+    let mut runs = vec![Vec::with_capacity(rounds); setups.len()];
+    for _ in 0..rounds.max(1) {
+        for (s, runs) in setups.iter().zip(&mut runs) {
+            let (config, len) = (s.config.clone(), prompt.len());
+            runs.push(run_load(path, config, prompt, s.clients, s.arrival, len)?);
+        }
+    }
+    Ok(runs)
 }
 
 /// What one client saw: each request's time to first token (from its own submission) and
@@ -302,59 +356,75 @@ fn batching(args: &BenchArgs, mut prompt: Vec<u32>) -> Result<()> {
     }
     let path = &args.model.model;
     let base = load_config(len);
-    let naive = match args.naive_requests {
-        0 => None,
-        n => Some(run_load(
-            path,
-            EngineConfig {
+    let rounds = args.repeat.max(1);
+    let burst: Vec<Setup> = args
+        .concurrency
+        .iter()
+        .map(|&c| Setup {
+            config: base.clone(),
+            clients: c.max(1),
+            arrival: Arrival::Burst,
+        })
+        .chain((args.naive_requests > 0).then(|| Setup {
+            config: EngineConfig {
                 max_num_seqs: 1,
                 ..base.clone()
             },
-            &prompt,
-            n,
-            Arrival::Burst,
-            len,
-        )?),
+            clients: args.naive_requests,
+            arrival: Arrival::Burst,
+        }))
+        .collect();
+    let runs = measure(path, &prompt, &burst, rounds)?;
+    let median_note = if rounds > 1 {
+        format!(" Each figure is the median of {rounds} rounds, each round running every row once in turn; × single is the ratio of the medians, with the lowest and highest of the rounds' own ratios in brackets.")
+    } else {
+        String::new()
     };
     println!();
-    println!("Continuous batching, {len}-token prompts and {len} output tokens each (greedy, prefix caching off), all requests sent at once:");
+    println!("Continuous batching, {len}-token prompts and {len} output tokens each (greedy, prefix caching off), all requests sent at once.{median_note}");
     println!();
     println!("| concurrent requests | output tok/s | × single | TTFT p50 | TTFT p90 | KV waste at peak (first step / mean) |");
     println!("|---|---|---|---|---|---|");
-    // A row per concurrency, each against the first (single) run, which is returned.
-    let table = |arrival: Arrival, ttft_ratio: bool| -> Result<Option<Load>> {
-        let mut single = None;
-        for &c in &args.concurrency {
-            let r = run_load(path, base.clone(), &prompt, c.max(1), arrival, len)?;
-            println!(
-                "{}",
-                r.row(&c.to_string(), single.get_or_insert(r), ttft_ratio)
-            );
-        }
-        Ok(single)
+    // Each row against the first (single) one of its table.
+    let Some(single) = runs.first() else {
+        return Ok(());
     };
-    let single = table(Arrival::Burst, false)?;
-    if let Some(naive) = naive {
+    for (i, (&c, r)) in args.concurrency.iter().zip(&runs).enumerate() {
+        println!("{}", Load::row(&c.to_string(), r, single, i > 0, false));
+    }
+    if let Some(naive) = runs.get(args.concurrency.len()) {
         let label = format!("naive: {} requests, --max-num-seqs 1", args.naive_requests);
-        println!("{}", naive.row(&label, &single.unwrap_or(naive), false));
+        println!("{}", Load::row(&label, naive, single, true, false));
     }
     if args.rounds == 0 {
         return Ok(());
     }
+    let steady: Vec<Setup> = args
+        .concurrency
+        .iter()
+        .map(|&c| Setup {
+            config: base.clone(),
+            clients: c.max(1),
+            arrival: Arrival::Staggered {
+                rounds: args.rounds,
+            },
+        })
+        .collect();
+    let runs = measure(path, &prompt, &steady, rounds)?;
     println!();
     println!(
-        "Steady traffic: clients join one at a time (each when the previous one's first token arrives) and send {} requests each back to back; TTFT from each request's submission:",
+        "Steady traffic: clients join one at a time (each when the previous one's first token arrives) and send {} requests each back to back; TTFT from each request's submission.{median_note}",
         args.rounds
     );
     println!();
     println!("| clients | output tok/s | × single | TTFT p50 | TTFT p90 | TTFT p90 / single's | KV waste at peak (first step / mean) |");
     println!("|---|---|---|---|---|---|---|");
-    table(
-        Arrival::Staggered {
-            rounds: args.rounds,
-        },
-        true,
-    )?;
+    let Some(single) = runs.first() else {
+        return Ok(());
+    };
+    for (i, (&c, r)) in args.concurrency.iter().zip(&runs).enumerate() {
+        println!("{}", Load::row(&c.to_string(), r, single, i > 0, true));
+    }
     Ok(())
 }
 
@@ -364,4 +434,38 @@ fn percentile(sorted: &[f64], p: f64) -> f64 {
         .get(((sorted.len() as f64 * p).ceil() as usize).saturating_sub(1))
         .copied()
         .unwrap_or(0.0)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn load(tokens_per_s: f64) -> Load {
+        Load {
+            tokens_per_s,
+            ..Load::default()
+        }
+    }
+
+    #[test]
+    fn the_median_run_is_the_middle_one_or_the_lower_middle_one() {
+        let runs = [load(3.0), load(1.0), load(2.0)];
+        assert_eq!(Load::median(&runs).tokens_per_s, 2.0);
+        assert_eq!(Load::median(&runs[..2]).tokens_per_s, 1.0);
+        assert_eq!(Load::median(&[]).tokens_per_s, 0.0);
+    }
+
+    #[test]
+    fn a_row_gives_the_medians_ratio_and_the_range_of_the_rounds_ratios() {
+        let single = [load(100.0), load(120.0), load(110.0)];
+        let sixteen = [load(250.0), load(300.0), load(330.0)];
+        // Medians 300 / 110; per round 2.50, 2.50, 3.00.
+        let row = Load::row("16", &sixteen, &single, true, false);
+        assert!(
+            row.starts_with("| 16 | 300.0 | 2.73× (2.50–3.00) |"),
+            "{row}"
+        );
+        let row = Load::row("1", &single, &single, false, false);
+        assert!(row.starts_with("| 1 | 110.0 | 1.00× |"), "{row}");
+    }
 }

@@ -271,7 +271,8 @@ pub struct BenchArgs {
     /// Tokens decoded for the single-stream measurement.
     #[arg(long, default_value_t = 128)]
     pub decode_tokens: usize,
-    /// Repetitions; the best run is reported.
+    /// Repetitions: prompt processing and single-stream decode report the best run; the
+    /// batching tables run every row this many times, interleaved, and report the median.
     #[arg(long, default_value_t = 3)]
     pub repeat: usize,
     /// Concurrent request counts for the batching table; empty skips it.

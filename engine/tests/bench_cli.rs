@@ -1,14 +1,21 @@
 //! `ferrite-engine bench` prints every table `make bench` puts in the README: the
 //! single-stream figures, the burst batching table and the steady-traffic table, with a row
-//! per concurrency and the ratios to one request.
+//! per concurrency and the ratios to one request (over repeated rounds, the medians' ratio
+//! and the range of the rounds' own).
 
 mod common;
 
 use std::process::Command;
 
-/// Runs `ferrite-engine bench` on the default model with small sizes plus `extra`, and
-/// returns what it printed (failing the test if it failed).
+/// Runs `ferrite-engine bench` on the default model with small sizes plus `extra` (one
+/// round unless `extra` sets `--repeat`), and returns what it printed (failing the test if
+/// it failed).
 fn bench(extra: &[&str]) -> String {
+    let repeat = if extra.contains(&"--repeat") {
+        &[][..]
+    } else {
+        &["--repeat", "1"][..]
+    };
     let out = Command::new(env!("CARGO_BIN_EXE_ferrite-engine"))
         .args(["bench", "--model"])
         .arg(common::default_model())
@@ -17,11 +24,10 @@ fn bench(extra: &[&str]) -> String {
             "24",
             "--decode-tokens",
             "4",
-            "--repeat",
-            "1",
             "--request-tokens",
             "8",
         ])
+        .args(repeat)
         .args(extra)
         .output()
         .expect("runs");
@@ -85,4 +91,37 @@ fn zero_naive_requests_and_zero_rounds_skip_those_rows() {
         1,
         "{stdout}"
     );
+}
+
+#[test]
+fn repeated_rounds_report_the_median_and_the_range_of_each_rounds_ratio() {
+    let stdout = bench(&[
+        "--concurrency",
+        "1,2",
+        "--naive-requests",
+        "0",
+        "--rounds",
+        "0",
+        "--repeat",
+        "2",
+    ]);
+    assert!(stdout.contains("the median of 2 rounds"), "{stdout}");
+    let row = |c: &str| {
+        stdout
+            .lines()
+            .find(|l| l.starts_with(c))
+            .unwrap_or_else(|| panic!("no {c:?} row in:\n{stdout}"))
+            .to_string()
+    };
+    // The baseline is 1.00x by definition; the other row shows its rounds' ratios as
+    // "(low–high)" after the medians' ratio.
+    assert!(row("| 1 | ").contains("| 1.00× |"), "{stdout}");
+    let two = row("| 2 | ");
+    let ratio = two.split(" | ").nth(2).unwrap_or_default();
+    let (low, high) = ratio
+        .split_once(" (")
+        .and_then(|(_, r)| r.trim_end_matches(')').split_once('–'))
+        .unwrap_or_else(|| panic!("no range in {two:?}"));
+    let (low, high): (f64, f64) = (low.parse().expect("low"), high.parse().expect("high"));
+    assert!(low <= high, "{two}");
 }

@@ -357,23 +357,28 @@ fn batching(args: &BenchArgs, mut prompt: Vec<u32>) -> Result<()> {
     let path = &args.model.model;
     let base = load_config(len);
     let rounds = args.repeat.max(1);
-    let burst: Vec<Setup> = args
-        .concurrency
-        .iter()
-        .map(|&c| Setup {
-            config: base.clone(),
-            clients: c.max(1),
-            arrival: Arrival::Burst,
-        })
-        .chain((args.naive_requests > 0).then(|| Setup {
+    // A load per concurrency, every one against the engine configured as `base`.
+    let per_concurrency = |arrival: Arrival| -> Vec<Setup> {
+        args.concurrency
+            .iter()
+            .map(|&c| Setup {
+                config: base.clone(),
+                clients: c.max(1),
+                arrival,
+            })
+            .collect()
+    };
+    let mut burst = per_concurrency(Arrival::Burst);
+    if args.naive_requests > 0 {
+        burst.push(Setup {
             config: EngineConfig {
                 max_num_seqs: 1,
                 ..base.clone()
             },
             clients: args.naive_requests,
             arrival: Arrival::Burst,
-        }))
-        .collect();
+        });
+    }
     let runs = measure(path, &prompt, &burst, rounds)?;
     let median_note = if rounds > 1 {
         format!(" Each figure is the median of {rounds} rounds, each round running every row once in turn; × single is the ratio of the medians, with the lowest and highest of the rounds' own ratios in brackets.")
@@ -385,13 +390,9 @@ fn batching(args: &BenchArgs, mut prompt: Vec<u32>) -> Result<()> {
     println!();
     println!("| concurrent requests | output tok/s | × single | TTFT p50 | TTFT p90 | KV waste at peak (first step / mean) |");
     println!("|---|---|---|---|---|---|");
-    // Each row against the first (single) one of its table.
-    let Some(single) = runs.first() else {
+    let Some(single) = print_rows(&args.concurrency, &runs, false) else {
         return Ok(());
     };
-    for (i, (&c, r)) in args.concurrency.iter().zip(&runs).enumerate() {
-        println!("{}", Load::row(&c.to_string(), r, single, i > 0, false));
-    }
     if let Some(naive) = runs.get(args.concurrency.len()) {
         let label = format!("naive: {} requests, --max-num-seqs 1", args.naive_requests);
         println!("{}", Load::row(&label, naive, single, true, false));
@@ -399,17 +400,9 @@ fn batching(args: &BenchArgs, mut prompt: Vec<u32>) -> Result<()> {
     if args.rounds == 0 {
         return Ok(());
     }
-    let steady: Vec<Setup> = args
-        .concurrency
-        .iter()
-        .map(|&c| Setup {
-            config: base.clone(),
-            clients: c.max(1),
-            arrival: Arrival::Staggered {
-                rounds: args.rounds,
-            },
-        })
-        .collect();
+    let steady = per_concurrency(Arrival::Staggered {
+        rounds: args.rounds,
+    });
     let runs = measure(path, &prompt, &steady, rounds)?;
     println!();
     println!(
@@ -419,13 +412,26 @@ fn batching(args: &BenchArgs, mut prompt: Vec<u32>) -> Result<()> {
     println!();
     println!("| clients | output tok/s | × single | TTFT p50 | TTFT p90 | TTFT p90 / single's | KV waste at peak (first step / mean) |");
     println!("|---|---|---|---|---|---|---|");
-    let Some(single) = runs.first() else {
-        return Ok(());
-    };
-    for (i, (&c, r)) in args.concurrency.iter().zip(&runs).enumerate() {
-        println!("{}", Load::row(&c.to_string(), r, single, i > 0, true));
-    }
+    print_rows(&args.concurrency, &runs, true);
     Ok(())
+}
+
+/// Prints a row per concurrency from its runs, each against the first row's (the single
+/// request's), which it returns; with `ttft_ratio`, rows also give TTFT p90 over the
+/// single request's.
+fn print_rows<'a>(
+    concurrency: &[usize],
+    runs: &'a [Vec<Load>],
+    ttft_ratio: bool,
+) -> Option<&'a [Load]> {
+    let single = runs.first()?;
+    for (i, (c, r)) in concurrency.iter().zip(runs).enumerate() {
+        println!(
+            "{}",
+            Load::row(&c.to_string(), r, single, i > 0, ttft_ratio)
+        );
+    }
+    Some(single)
 }
 
 /// The nearest-rank `p`-quantile of sorted values (0 when empty).

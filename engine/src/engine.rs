@@ -257,6 +257,7 @@ impl EngineHandle {
                 Ok(())
             }
         };
+        check("--max-model-len", max_model_len)?;
         check("--block-size", config.block_size)?;
         check("--max-num-seqs", config.max_num_seqs)?;
         check("--max-num-batched-tokens", config.max_num_batched_tokens)?;

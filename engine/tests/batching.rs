@@ -228,6 +228,47 @@ fn a_cache_smaller_than_max_model_len_is_refused_at_startup() {
 }
 
 #[test]
+fn a_zero_limit_is_refused_at_startup_naming_its_flag() {
+    let zero = [
+        (
+            "--max-model-len",
+            EngineConfig {
+                max_model_len: Some(0),
+                ..EngineConfig::default()
+            },
+        ),
+        (
+            "--block-size",
+            EngineConfig {
+                block_size: 0,
+                ..EngineConfig::default()
+            },
+        ),
+        (
+            "--max-num-seqs",
+            EngineConfig {
+                max_num_seqs: 0,
+                ..EngineConfig::default()
+            },
+        ),
+        (
+            "--max-num-batched-tokens",
+            EngineConfig {
+                max_num_batched_tokens: 0,
+                ..EngineConfig::default()
+            },
+        ),
+    ];
+    for (flag, config) in zero {
+        let err = EngineHandle::start(model(), config)
+            .err()
+            .map(|e| e.to_string())
+            .unwrap_or_default();
+        assert_eq!(err, format!("{flag} must be at least 1"));
+    }
+}
+
+#[test]
 fn max_tokens_beyond_max_model_len_is_refused_with_both_numbers() {
     let engine = start(small(64, EngineConfig::default()));
     let err = engine

@@ -129,9 +129,9 @@ pub struct EngineSpec {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(range(min = 1))]
     pub max_num_batched_tokens: Option<i64>,
-    /// Tokens per KV cache block (`--block-size`).
+    /// Tokens per KV cache block (`--block-size`), 1 to 256.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    #[schemars(range(min = 1))]
+    #[schemars(range(min = 1, max = 256))]
     pub block_size: Option<i64>,
     /// Share KV blocks of common prompt prefixes (`--enable-prefix-caching` /
     /// `--no-enable-prefix-caching`).

@@ -88,6 +88,11 @@ async fn api_server_refuses_invalid_manifests_naming_the_field() {
             "spec.engine.blockSize",
         ),
         (
+            "block-too-large",
+            json!({"model": hf(), "engine": {"blockSize": 1024}}),
+            "spec.engine.blockSize",
+        ),
+        (
             "min-above-max",
             json!({"model": hf(), "autoscaling":
             {"minReplicas": 5, "maxReplicas": 2, "targetQueueDepth": 4}}),

@@ -102,7 +102,7 @@ pub struct ModelArgs {
 /// How large the KV cache is and how it is shared (vLLM's names).
 #[derive(Debug, Args)]
 pub struct CacheArgs {
-    /// Tokens per KV cache block.
+    /// Tokens per KV cache block, 1 to 256.
     #[arg(long, env = "FERRITE_BLOCK_SIZE", default_value_t = 16)]
     pub block_size: usize,
     /// Fraction of device memory (on CPU: the cgroup limit, else the machine's memory) for
@@ -171,25 +171,25 @@ pub struct SamplingArgs {
     #[arg(long, default_value_t = 128)]
     pub max_tokens: usize,
     /// Softmax temperature; 0 is greedy.
-    #[arg(long, default_value_t = 0.0)]
+    #[arg(long, default_value_t = 0.0, allow_negative_numbers = true)]
     pub temperature: f32,
     /// Nucleus sampling probability mass, in (0, 1].
-    #[arg(long, default_value_t = 1.0)]
+    #[arg(long, default_value_t = 1.0, allow_negative_numbers = true)]
     pub top_p: f32,
     /// Keep only the K most likely tokens; 0 keeps all.
     #[arg(long, default_value_t = 0)]
     pub top_k: usize,
     /// Drop tokens less likely than this fraction of the most likely one.
-    #[arg(long, default_value_t = 0.0)]
+    #[arg(long, default_value_t = 0.0, allow_negative_numbers = true)]
     pub min_p: f32,
     /// Penalty for tokens already generated, in [-2, 2].
-    #[arg(long, default_value_t = 0.0)]
+    #[arg(long, default_value_t = 0.0, allow_negative_numbers = true)]
     pub presence_penalty: f32,
     /// Penalty per repetition of a generated token, in [-2, 2].
-    #[arg(long, default_value_t = 0.0)]
+    #[arg(long, default_value_t = 0.0, allow_negative_numbers = true)]
     pub frequency_penalty: f32,
     /// Multiplicative penalty for tokens in the prompt or output, in (0, 2].
-    #[arg(long, default_value_t = 1.0)]
+    #[arg(long, default_value_t = 1.0, allow_negative_numbers = true)]
     pub repetition_penalty: f32,
     /// Random seed; the same seed gives the same text.
     #[arg(long)]
@@ -237,7 +237,7 @@ pub struct GenerateArgs {
     #[arg(long, required_unless_present = "prompts_file")]
     pub prompt: Option<String>,
     /// Run the prompt this many times at once through the batcher.
-    #[arg(long, default_value_t = 1)]
+    #[arg(long, default_value_t = 1, conflicts_with = "prompts_file")]
     pub num_prompts: usize,
     /// Run every line of this file as a prompt, all at once through the batcher.
     #[arg(long, conflicts_with = "prompt")]
@@ -460,19 +460,34 @@ fn serve(args: ServeArgs) -> Result<()> {
 }
 
 fn generate(args: GenerateArgs) -> Result<()> {
-    let loaded = crate::model::load(&args.model.model, &Device::Cpu)?;
     let texts: Vec<String> = match (&args.prompts_file, &args.prompt) {
-        (Some(path), _) => std::fs::read_to_string(path)
-            .map_err(|e| {
+        (Some(path), _) => {
+            let file = std::fs::read_to_string(path).map_err(|e| {
                 Error::InvalidParameter(format!("--prompts-file {}: {e}", path.display()))
-            })?
-            .lines()
-            .filter(|l| !l.trim().is_empty())
-            .map(str::to_string)
-            .collect(),
-        (None, Some(p)) => vec![p.clone(); args.num_prompts.max(1)],
+            })?;
+            let lines: Vec<String> = file
+                .lines()
+                .filter(|l| !l.trim().is_empty())
+                .map(str::to_string)
+                .collect();
+            if lines.is_empty() {
+                return Err(Error::InvalidParameter(format!(
+                    "--prompts-file {} holds no prompts: it needs one prompt per line (blank \
+                     lines are skipped)",
+                    path.display()
+                )));
+            }
+            lines
+        }
+        (None, Some(_)) if args.num_prompts == 0 => {
+            return Err(Error::InvalidParameter(
+                "--num-prompts must be at least 1, got 0".into(),
+            ))
+        }
+        (None, Some(p)) => vec![p.clone(); args.num_prompts],
         (None, None) => Vec::new(),
     };
+    let loaded = crate::model::load(&args.model.model, &Device::Cpu)?;
     let template = if args.chat {
         Some(loaded.tokenizer.chat_template()?)
     } else {

@@ -258,7 +258,13 @@ impl EngineHandle {
             }
         };
         check("--max-model-len", max_model_len)?;
-        check("--block-size", config.block_size)?;
+        if !(1..=crate::kv::MAX_BLOCK_SIZE).contains(&config.block_size) {
+            return Err(Error::InvalidParameter(format!(
+                "--block-size must be between 1 and {} tokens, got {}",
+                crate::kv::MAX_BLOCK_SIZE,
+                config.block_size
+            )));
+        }
         check("--max-num-seqs", config.max_num_seqs)?;
         check("--max-num-batched-tokens", config.max_num_batched_tokens)?;
         let f16 = match config.kv_dtype {

@@ -228,43 +228,50 @@ fn a_cache_smaller_than_max_model_len_is_refused_at_startup() {
 }
 
 #[test]
-fn a_zero_limit_is_refused_at_startup_naming_its_flag() {
-    let zero = [
+fn a_limit_out_of_range_is_refused_at_startup_naming_its_flag() {
+    let refused = [
         (
-            "--max-model-len",
+            "--max-model-len must be at least 1",
             EngineConfig {
                 max_model_len: Some(0),
                 ..EngineConfig::default()
             },
         ),
         (
-            "--block-size",
+            "--block-size must be between 1 and 256 tokens, got 0",
             EngineConfig {
                 block_size: 0,
                 ..EngineConfig::default()
             },
         ),
         (
-            "--max-num-seqs",
+            "--block-size must be between 1 and 256 tokens, got 100000",
+            EngineConfig {
+                block_size: 100_000,
+                ..EngineConfig::default()
+            },
+        ),
+        (
+            "--max-num-seqs must be at least 1",
             EngineConfig {
                 max_num_seqs: 0,
                 ..EngineConfig::default()
             },
         ),
         (
-            "--max-num-batched-tokens",
+            "--max-num-batched-tokens must be at least 1",
             EngineConfig {
                 max_num_batched_tokens: 0,
                 ..EngineConfig::default()
             },
         ),
     ];
-    for (flag, config) in zero {
+    for (want, config) in refused {
         let err = EngineHandle::start(model(), config)
             .err()
             .map(|e| e.to_string())
             .unwrap_or_default();
-        assert_eq!(err, format!("{flag} must be at least 1"));
+        assert_eq!(err, want);
     }
 }
 

@@ -16,7 +16,8 @@ use serde_json::{json, Value};
 
 use super::errors::ApiError;
 use super::openai::{
-    ChatRequest, CompletionRequest, Prompt, CHAT_FIELDS, COMPLETION_FIELDS, SAMPLING_FIELDS,
+    ChatRequest, CompletionRequest, Prompt, Sampling, CHAT_FIELDS, COMPLETION_FIELDS,
+    SAMPLING_FIELDS,
 };
 use super::{AppState, Ready};
 use crate::engine::{Event, Finish, RequestStream};
@@ -32,9 +33,7 @@ enum Kind {
 
 /// Parses a JSON body, refusing malformed JSON and unknown fields by name.
 fn parse<T: serde::de::DeserializeOwned>(body: &Bytes, known: &[&str]) -> Result<T, ApiError> {
-    let value: Value = serde_json::from_slice(body).map_err(|e| {
-        ApiError::bad_request(format!("the request body is not valid JSON: {e}"), None)
-    })?;
+    let value = super::errors::json_body(body)?;
     let Some(obj) = value.as_object() else {
         return Err(ApiError::bad_request(
             "the request body must be a JSON object",
@@ -52,8 +51,22 @@ fn parse<T: serde::de::DeserializeOwned>(body: &Bytes, known: &[&str]) -> Result
             Some(k),
         ));
     }
-    serde_json::from_value(value)
-        .map_err(|e| ApiError::bad_request(format!("invalid request: {e}"), None))
+    // The sampling fields are flattened into each request, and serde reads flattened fields
+    // through a buffer that loses their names; so when a request is refused without one,
+    // its sampling fields are read alone to name the one at fault.
+    let sampling: Value = obj
+        .iter()
+        .filter(|(k, _)| SAMPLING_FIELDS.contains(&k.as_str()))
+        .map(|(k, v)| (k.clone(), v.clone()))
+        .collect::<serde_json::Map<_, _>>()
+        .into();
+    super::errors::from_json(value).map_err(|e| match e.param {
+        Some(_) => e,
+        None => super::errors::from_json::<Sampling>(sampling)
+            .err()
+            .filter(|named| named.param.is_some())
+            .unwrap_or(e),
+    })
 }
 
 /// One engine request: a prompt and the choice it answers.
@@ -529,4 +542,37 @@ fn jobs(prompts: &[Vec<u32>], n: usize) -> Vec<Job> {
             })
         })
         .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The status, `param` and message a completion request body is refused with.
+    fn refusal(body: &str) -> (Option<String>, String) {
+        let e = parse::<CompletionRequest>(&Bytes::from(body.to_string()), COMPLETION_FIELDS)
+            .expect_err("refused");
+        assert_eq!(e.status, axum::http::StatusCode::BAD_REQUEST);
+        (e.param, e.message)
+    }
+
+    #[test]
+    fn a_field_of_the_wrong_type_is_named_even_among_the_flattened_sampling_fields() {
+        let (param, message) = refusal(r#"{"model": "m", "prompt": "hi", "max_tokens": -1}"#);
+        assert_eq!(param.as_deref(), Some("max_tokens"), "{message}");
+        let (param, message) = refusal(r#"{"model": "m", "prompt": "hi", "temperature": "hot"}"#);
+        assert_eq!(param.as_deref(), Some("temperature"), "{message}");
+        assert!(message.contains("expected f32"), "{message}");
+        let (param, message) = refusal(r#"{"model": "m", "prompt": "hi", "stop": ["a", 3]}"#);
+        assert_eq!(
+            (param.as_deref(), message.as_str()),
+            (
+                Some("stop"),
+                "invalid `stop`: expected a string or a list of strings"
+            )
+        );
+        let (param, message) = refusal(r#"{"model": "m", "prompt": {"text": "hi"}}"#);
+        assert_eq!(param.as_deref(), Some("prompt"), "{message}");
+        assert!(message.contains("a list of token ids"), "{message}");
+    }
 }

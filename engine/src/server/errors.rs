@@ -19,6 +19,28 @@ pub struct ApiError {
     pub param: Option<String>,
 }
 
+/// Reads a request body as JSON, refusing one that is not.
+pub fn json_body(body: &[u8]) -> Result<serde_json::Value, ApiError> {
+    serde_json::from_slice(body).map_err(|e| {
+        ApiError::bad_request(format!("the request body is not valid JSON: {e}"), None)
+    })
+}
+
+/// Reads a request from its JSON; a field of the wrong type or out of its type's range is
+/// named, as `param` and in the message (`max_tokens: -1` gives "invalid `max_tokens`:
+/// invalid value: integer `-1`, expected usize").
+pub fn from_json<T: serde::de::DeserializeOwned>(value: serde_json::Value) -> Result<T, ApiError> {
+    serde_path_to_error::deserialize(value).map_err(|e| {
+        let path = e.path().to_string();
+        let inner = e.into_inner();
+        if path == "." {
+            ApiError::bad_request(format!("invalid request: {inner}"), None)
+        } else {
+            ApiError::bad_request(format!("invalid `{path}`: {inner}"), Some(&path))
+        }
+    })
+}
+
 impl ApiError {
     /// A 400 about `param`.
     pub fn bad_request(message: impl Into<String>, param: Option<&str>) -> Self {

@@ -189,8 +189,7 @@ async fn tokenize(
     body: Bytes,
 ) -> Result<Json<serde_json::Value>, ApiError> {
     let ready = state.ready()?;
-    let req: TokenizeRequest = serde_json::from_slice(&body)
-        .map_err(|e| ApiError::bad_request(format!("invalid request: {e}"), None))?;
+    let req: TokenizeRequest = errors::from_json(errors::json_body(&body)?)?;
     if let Some(m) = &req.model {
         state.check_model(m)?;
     }
@@ -227,8 +226,7 @@ async fn detokenize(
     body: Bytes,
 ) -> Result<Json<serde_json::Value>, ApiError> {
     let ready = state.ready()?;
-    let req: DetokenizeRequest = serde_json::from_slice(&body)
-        .map_err(|e| ApiError::bad_request(format!("invalid request: {e}"), None))?;
+    let req: DetokenizeRequest = errors::from_json(errors::json_body(&body)?)?;
     if let Some(m) = &req.model {
         state.check_model(m)?;
     }
@@ -385,6 +383,37 @@ mod tests {
             "{body}"
         );
         assert!(body.contains("vllm:time_to_first_token_seconds_bucket"));
+    }
+
+    #[test]
+    fn a_field_of_the_wrong_type_or_range_is_named() {
+        #[derive(Debug, serde::Deserialize)]
+        #[allow(dead_code)]
+        struct Req {
+            max_tokens: Option<usize>,
+            stop: Option<Vec<String>>,
+        }
+        let err = |body: &str| {
+            let e = errors::json_body(body.as_bytes())
+                .and_then(errors::from_json::<Req>)
+                .expect_err("refused");
+            (e.status, e.param, e.message)
+        };
+        let (status, param, message) = err(r#"{"max_tokens": -1}"#);
+        assert_eq!(
+            (status, param.as_deref()),
+            (StatusCode::BAD_REQUEST, Some("max_tokens"))
+        );
+        assert!(message.starts_with("invalid `max_tokens`: "), "{message}");
+        assert!(message.contains("-1"), "{message}");
+        let (_, param, message) = err(r#"{"stop": ["a", 3]}"#);
+        assert_eq!(param.as_deref(), Some("stop[1]"), "{message}");
+        let (_, param, message) = err("{not json");
+        assert_eq!(param, None);
+        assert!(
+            message.starts_with("the request body is not valid JSON"),
+            "{message}"
+        );
     }
 
     #[test]

@@ -9,7 +9,10 @@ use crate::tokenizer::ChatMessage;
 
 /// `prompt`: a string, strings, token ids, or lists of token ids.
 #[derive(Debug, Clone, Deserialize)]
-#[serde(untagged)]
+#[serde(
+    untagged,
+    expecting = "expected a string, a list of strings, a list of token ids or a list of lists of token ids"
+)]
 pub enum Prompt {
     /// One text prompt.
     Text(String),
@@ -23,7 +26,7 @@ pub enum Prompt {
 
 /// `stop`: one string or several.
 #[derive(Debug, Clone, Deserialize)]
-#[serde(untagged)]
+#[serde(untagged, expecting = "expected a string or a list of strings")]
 pub enum Stop {
     /// A single stop string.
     One(String),
@@ -198,7 +201,7 @@ pub struct CompletionRequest {
 
 /// Message content: a string or a list of text parts.
 #[derive(Debug, Clone, Deserialize)]
-#[serde(untagged)]
+#[serde(untagged, expecting = "expected a string or a list of content parts")]
 pub enum Content {
     /// Plain text.
     Text(String),

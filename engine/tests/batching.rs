@@ -229,41 +229,31 @@ fn a_cache_smaller_than_max_model_len_is_refused_at_startup() {
 
 #[test]
 fn a_limit_out_of_range_is_refused_at_startup_naming_its_flag() {
+    let with = |set: fn(&mut EngineConfig)| {
+        let mut config = EngineConfig::default();
+        set(&mut config);
+        config
+    };
     let refused = [
         (
             "--max-model-len must be at least 1",
-            EngineConfig {
-                max_model_len: Some(0),
-                ..EngineConfig::default()
-            },
+            with(|c| c.max_model_len = Some(0)),
         ),
         (
             "--block-size must be between 1 and 256 tokens, got 0",
-            EngineConfig {
-                block_size: 0,
-                ..EngineConfig::default()
-            },
+            with(|c| c.block_size = 0),
         ),
         (
             "--block-size must be between 1 and 256 tokens, got 100000",
-            EngineConfig {
-                block_size: 100_000,
-                ..EngineConfig::default()
-            },
+            with(|c| c.block_size = 100_000),
         ),
         (
             "--max-num-seqs must be at least 1",
-            EngineConfig {
-                max_num_seqs: 0,
-                ..EngineConfig::default()
-            },
+            with(|c| c.max_num_seqs = 0),
         ),
         (
             "--max-num-batched-tokens must be at least 1",
-            EngineConfig {
-                max_num_batched_tokens: 0,
-                ..EngineConfig::default()
-            },
+            with(|c| c.max_num_batched_tokens = 0),
         ),
     ];
     for (want, config) in refused {

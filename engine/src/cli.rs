@@ -197,12 +197,32 @@ pub struct SamplingArgs {
     /// Stop before this string (repeatable).
     #[arg(long)]
     pub stop: Vec<String>,
+    /// Add BIAS (in [-100, 100]) to token ID's logit before sampling, as `ID=BIAS`
+    /// (repeatable; OpenAI's `logit_bias`).
+    #[arg(long, value_parser = parse_logit_bias, allow_hyphen_values = true)]
+    pub logit_bias: Vec<(u32, f32)>,
     /// Stop at this token id (repeatable).
     #[arg(long)]
     pub stop_token_id: Vec<u32>,
     /// Keep generating past the model's end token.
     #[arg(long)]
     pub ignore_eos: bool,
+}
+
+/// `ID=BIAS` of `--logit-bias`.
+fn parse_logit_bias(s: &str) -> std::result::Result<(u32, f32), String> {
+    let (id, bias) = s
+        .split_once('=')
+        .ok_or_else(|| format!("expected ID=BIAS (a token id and a number), got {s:?}"))?;
+    let id = id
+        .trim()
+        .parse()
+        .map_err(|_| format!("{id:?} is not a token id"))?;
+    let bias = bias
+        .trim()
+        .parse()
+        .map_err(|_| format!("{bias:?} is not a number"))?;
+    Ok((id, bias))
 }
 
 impl SamplingArgs {
@@ -223,6 +243,7 @@ impl SamplingArgs {
             stop_token_ids: self.stop_token_id.clone(),
             ignore_eos: self.ignore_eos,
             logprobs: None,
+            logit_bias: self.logit_bias.clone(),
         }
     }
 }

@@ -356,6 +356,16 @@ impl EngineHandle {
                 "the prompt must contain at least one token".into(),
             ));
         }
+        if let Some(&(bad, _)) = params
+            .logit_bias
+            .iter()
+            .find(|&&(t, _)| t as usize >= info.vocab_size)
+        {
+            return Err(Error::InvalidParameter(format!(
+                "`logit_bias` holds token id {bad}, beyond the vocabulary of {} tokens",
+                info.vocab_size
+            )));
+        }
         if let Some(&bad) = prompt.iter().find(|&&t| t as usize >= info.vocab_size) {
             return Err(Error::InvalidParameter(format!(
                 "token id {bad} is out of range: the vocabulary has {} tokens",

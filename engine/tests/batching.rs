@@ -266,6 +266,24 @@ fn a_limit_out_of_range_is_refused_at_startup_naming_its_flag() {
 }
 
 #[test]
+fn a_logit_bias_beyond_the_vocabulary_is_refused() {
+    let engine = start(small(64, EngineConfig::default()));
+    let params = SamplingParams {
+        logit_bias: vec![(49_152, 5.0)],
+        ..SamplingParams::greedy(4)
+    };
+    let err = engine
+        .submit(vec![1, 2, 3], params)
+        .err()
+        .map(|e| e.to_string())
+        .unwrap_or_default();
+    assert_eq!(
+        err,
+        "`logit_bias` holds token id 49152, beyond the vocabulary of 49152 tokens"
+    );
+}
+
+#[test]
 fn max_tokens_beyond_max_model_len_is_refused_with_both_numbers() {
     let engine = start(small(64, EngineConfig::default()));
     let err = engine

@@ -6,7 +6,7 @@ mod common;
 use std::process::Command;
 
 /// Runs `ferrite-engine generate` on the default model with `args`; returns whether it
-/// succeeded and what it wrote to stderr.
+/// succeeded and what it wrote to stderr (then stdout).
 fn generate(args: &[&str]) -> (bool, String) {
     let out = Command::new(env!("CARGO_BIN_EXE_ferrite-engine"))
         .args(["generate", "--model"])
@@ -15,10 +15,8 @@ fn generate(args: &[&str]) -> (bool, String) {
         .args(args)
         .output()
         .expect("runs");
-    (
-        out.status.success(),
-        String::from_utf8_lossy(&out.stderr).into_owned(),
-    )
+    let text = |b: &[u8]| String::from_utf8_lossy(b).into_owned();
+    (out.status.success(), text(&out.stderr) + &text(&out.stdout))
 }
 
 #[test]
@@ -27,7 +25,7 @@ fn out_of_range_flags_are_refused_naming_the_flag_and_its_range() {
     let blank = dir.path().join("blank.txt");
     std::fs::write(&blank, "\n  \n").expect("write");
     let blank = blank.to_string_lossy().into_owned();
-    let cases: [(&[&str], &str); 5] = [
+    let cases: [(&[&str], &str); 6] = [
         (
             &["--prompt", "hi", "--num-prompts", "0"],
             "--num-prompts must be at least 1, got 0",
@@ -48,16 +46,17 @@ fn out_of_range_flags_are_refused_naming_the_flag_and_its_range() {
             &["--prompt", "hi", "--max-model-len", "0"],
             "--max-model-len must be at least 1",
         ),
+        (&["--prompt", "hi", "--logit-bias", "5"], "expected ID=BIAS"),
     ];
     for (args, want) in cases {
-        let (ok, stderr) = generate(args);
-        assert!(!ok && stderr.contains(want), "{args:?}: {stderr}");
+        let (ok, out) = generate(args);
+        assert!(!ok && out.contains(want), "{args:?}: {out}");
     }
 }
 
 #[test]
 fn negative_penalties_are_accepted() {
-    let (ok, stderr) = generate(&[
+    let (ok, out) = generate(&[
         "--prompt",
         "hi",
         "--presence-penalty",
@@ -65,5 +64,17 @@ fn negative_penalties_are_accepted() {
         "--frequency-penalty",
         "-1",
     ]);
-    assert!(ok, "{stderr}");
+    assert!(ok, "{out}");
+}
+
+#[test]
+fn logit_bias_from_the_command_line_forces_a_token() {
+    // 3575 is " capital" in the default model's vocabulary.
+    let (ok, out) = generate(&[
+        "--prompt",
+        "The capital of France is",
+        "--logit-bias",
+        "3575=100",
+    ]);
+    assert!(ok && out.contains(" capital capital"), "{out}");
 }

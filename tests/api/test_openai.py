@@ -99,6 +99,19 @@ def test_same_seed_same_text(client):
     assert a != c
 
 
+def test_logit_bias_forces_and_bans_tokens(client):
+    paris = client.completions.create(model=NAME, prompt="The capital of France is", **GREEDY)
+    assert paris.choices[0].text.startswith(" Paris")
+    # 3575 is " capital" in this vocabulary: +100 makes it every token; -100 on " Paris" (7042)
+    # makes the greedy choice something else.
+    forced = client.completions.create(model=NAME, prompt="The capital of France is", max_tokens=3,
+                                       temperature=0, logit_bias={"3575": 100})
+    assert forced.choices[0].text == " capital capital capital"
+    banned = client.completions.create(model=NAME, prompt="The capital of France is", max_tokens=3,
+                                       temperature=0, logit_bias={"7042": -100})
+    assert not banned.choices[0].text.startswith(" Paris")
+
+
 def test_completion_logprobs(client):
     r = client.completions.create(model=NAME, prompt="The capital of France is", logprobs=2, **GREEDY)
     lp = r.choices[0].logprobs

@@ -575,4 +575,27 @@ mod tests {
         assert_eq!(param.as_deref(), Some("prompt"), "{message}");
         assert!(message.contains("a list of token ids"), "{message}");
     }
+
+    #[test]
+    fn logit_bias_keys_are_token_ids() {
+        let body = |bias: &str| {
+            Bytes::from(format!(
+                r#"{{"model": "m", "prompt": "hi", "logit_bias": {bias}}}"#
+            ))
+        };
+        let req: CompletionRequest =
+            parse(&body(r#"{"7": 100, " 3": -2.5}"#), COMPLETION_FIELDS).expect("parses");
+        let p = req.sampling.params(4, None).expect("valid");
+        assert_eq!(p.logit_bias, vec![(3, -2.5), (7, 100.0)]);
+        let req: CompletionRequest =
+            parse(&body(r#"{"the": 1}"#), COMPLETION_FIELDS).expect("parses");
+        let e = req.sampling.params(4, None).expect_err("refused");
+        assert_eq!(
+            (e.param.as_deref(), e.message.as_str()),
+            (
+                Some("logit_bias"),
+                "`logit_bias` keys must be token ids, got \"the\""
+            )
+        );
+    }
 }

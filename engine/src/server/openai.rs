@@ -72,6 +72,9 @@ pub struct Sampling {
     pub min_tokens: Option<usize>,
     /// Token ids that end generation (vLLM).
     pub stop_token_ids: Option<Vec<u32>>,
+    /// Biases in [-100, 100] added to the logits of token ids (the keys, as strings) before
+    /// sampling.
+    pub logit_bias: Option<std::collections::BTreeMap<String, f32>>,
     /// Stream Server-Sent Events.
     pub stream: Option<bool>,
     /// Streaming options.
@@ -114,6 +117,16 @@ impl Sampling {
                 ))
             }
         };
+        let mut logit_bias = Vec::new();
+        for (token, &bias) in self.logit_bias.iter().flatten() {
+            let id = token.trim().parse().map_err(|_| {
+                ApiError::bad_request(
+                    format!("`logit_bias` keys must be token ids, got {token:?}"),
+                    Some("logit_bias"),
+                )
+            })?;
+            logit_bias.push((id, bias));
+        }
         let p = SamplingParams {
             temperature: self.temperature.unwrap_or(1.0),
             top_p: self.top_p.unwrap_or(1.0),
@@ -129,6 +142,7 @@ impl Sampling {
             stop_token_ids: self.stop_token_ids.clone().unwrap_or_default(),
             ignore_eos: self.ignore_eos.unwrap_or(false),
             logprobs,
+            logit_bias,
         };
         p.validate()?;
         Ok(p)
@@ -163,6 +177,7 @@ pub const SAMPLING_FIELDS: &[&str] = &[
     "ignore_eos",
     "min_tokens",
     "stop_token_ids",
+    "logit_bias",
     "stream",
     "stream_options",
     "user",

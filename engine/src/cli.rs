@@ -59,9 +59,11 @@ pub struct ServerArgs {
     /// Port to bind.
     #[arg(long, env = "FERRITE_PORT", default_value_t = 8000)]
     pub port: u16,
-    /// The `model` name clients use; default: the model file or directory name.
-    #[arg(long, env = "FERRITE_SERVED_MODEL_NAME")]
-    pub served_model_name: Option<String>,
+    /// The `model` name(s) clients use, as vLLM takes them (`--served-model-name a b`):
+    /// requests may name any of them, and metrics carry the first; default: the model file
+    /// or directory name.
+    #[arg(long, env = "FERRITE_SERVED_MODEL_NAME", num_args = 1..)]
+    pub served_model_name: Vec<String>,
     /// Requests that may wait for admission; beyond this new requests get 503.
     #[arg(long, default_value_t = 1024)]
     pub max_waiting_requests: usize,
@@ -415,18 +417,26 @@ fn serve(args: ServeArgs) -> Result<()> {
         ));
     };
     let err = |e: &dyn std::fmt::Display| Error::Server(e.to_string());
-    let name = args.server.served_model_name.clone().unwrap_or_else(|| {
+    let mut names = args.server.served_model_name.clone();
+    if let Some(empty) = names.iter().find(|n| n.trim().is_empty()) {
+        return Err(Error::InvalidParameter(format!(
+            "--served-model-name {empty:?}: a served model name must not be empty"
+        )));
+    }
+    if names.is_empty() {
         let p = &model_path;
         let stem = if p.is_dir() {
             p.file_name()
         } else {
             p.file_stem()
         };
-        stem.map(|s| s.to_string_lossy().into_owned())
-            .unwrap_or_else(|| "model".into())
-    });
+        names.push(
+            stem.map(|s| s.to_string_lossy().into_owned())
+                .unwrap_or_else(|| "model".into()),
+        );
+    }
     let config = ServerConfig {
-        served_model_name: name,
+        served_model_names: names,
         max_waiting_requests: args.server.max_waiting_requests,
         shutdown_timeout: std::time::Duration::from_secs(args.server.shutdown_timeout),
     };
@@ -463,7 +473,7 @@ fn serve(args: ServeArgs) -> Result<()> {
             load_state.set_ready(engine, tokenizer);
             tracing::info!(
                 "model loaded; serving `{}`",
-                load_state.config.served_model_name
+                load_state.config.served_model_names.join("`, `")
             );
             Ok(())
         })

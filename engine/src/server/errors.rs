@@ -52,11 +52,12 @@ impl ApiError {
     }
 
     /// A 404 for a model this server does not serve.
-    pub fn unknown_model(requested: &str, served: &str) -> Self {
+    pub fn unknown_model(requested: &str, served: &[String]) -> Self {
         ApiError {
             status: StatusCode::NOT_FOUND,
             message: format!(
-                "The model `{requested}` does not exist. This server serves `{served}`."
+                "The model `{requested}` does not exist. This server serves `{}`.",
+                served.join("`, `")
             ),
             param: Some("model".into()),
         }

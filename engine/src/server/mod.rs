@@ -34,8 +34,9 @@ use crate::tokenizer::Tokenizer;
 /// Server settings that do not depend on the model.
 #[derive(Debug, Clone, PartialEq)]
 pub struct ServerConfig {
-    /// The `model` value clients send and `/v1/models` lists.
-    pub served_model_name: String,
+    /// The `model` values clients may send, each listed by `/v1/models`; never empty (the
+    /// first names the metrics).
+    pub served_model_names: Vec<String>,
     /// Requests allowed to wait for admission before new ones get 503.
     pub max_waiting_requests: usize,
     /// How long in-flight requests may run after SIGTERM.
@@ -71,7 +72,8 @@ impl std::fmt::Debug for AppState {
 impl AppState {
     /// State for a server that is still loading its model.
     pub fn new(config: ServerConfig) -> Result<Arc<Self>, prometheus::Error> {
-        let metrics = Metrics::new(&config.served_model_name)?;
+        let first = config.served_model_names.first().map_or("", String::as_str);
+        let metrics = Metrics::new(first)?;
         Ok(Arc::new(AppState {
             config,
             metrics,
@@ -109,12 +111,12 @@ impl AppState {
     }
 
     fn check_model(&self, model: &str) -> Result<(), ApiError> {
-        if model == self.config.served_model_name {
+        if self.config.served_model_names.iter().any(|n| n == model) {
             Ok(())
         } else {
             Err(ApiError::unknown_model(
                 model,
-                &self.config.served_model_name,
+                &self.config.served_model_names,
             ))
         }
     }
@@ -143,16 +145,22 @@ pub fn router(state: Arc<AppState>) -> Router {
 
 async fn models(State(state): State<Arc<AppState>>) -> Result<Json<serde_json::Value>, ApiError> {
     let ready = state.ready()?;
-    Ok(Json(json!({
-        "object": "list",
-        "data": [{
-            "id": state.config.served_model_name,
-            "object": "model",
-            "created": 0,
-            "owned_by": "ferrite",
-            "max_model_len": ready.engine.info().max_model_len,
-        }]
-    })))
+    let max_model_len = ready.engine.info().max_model_len;
+    let data: Vec<serde_json::Value> = state
+        .config
+        .served_model_names
+        .iter()
+        .map(|name| {
+            json!({
+                "id": name,
+                "object": "model",
+                "created": 0,
+                "owned_by": "ferrite",
+                "max_model_len": max_model_len,
+            })
+        })
+        .collect();
+    Ok(Json(json!({ "object": "list", "data": data })))
 }
 
 async fn health(State(state): State<Arc<AppState>>) -> Response {
@@ -303,7 +311,7 @@ mod tests {
 
     fn loading() -> Arc<AppState> {
         AppState::new(ServerConfig {
-            served_model_name: "m".into(),
+            served_model_names: vec!["m".into()],
             max_waiting_requests: 4,
             shutdown_timeout: Duration::from_secs(1),
         })
@@ -383,6 +391,27 @@ mod tests {
             "{body}"
         );
         assert!(body.contains("vllm:time_to_first_token_seconds_bucket"));
+    }
+
+    #[test]
+    fn every_served_model_name_is_accepted_and_an_unknown_one_is_told_them_all() {
+        let state = AppState::new(ServerConfig {
+            served_model_names: vec!["smol".into(), "smollm2-135m".into()],
+            max_waiting_requests: 4,
+            shutdown_timeout: Duration::from_secs(1),
+        })
+        .expect("metrics register");
+        assert!(state.check_model("smol").is_ok());
+        assert!(state.check_model("smollm2-135m").is_ok());
+        let e = state.check_model("gpt-4").expect_err("unknown");
+        assert_eq!(
+            (e.status, e.param.as_deref(), e.message.as_str()),
+            (
+                StatusCode::NOT_FOUND,
+                Some("model"),
+                "The model `gpt-4` does not exist. This server serves `smol`, `smollm2-135m`."
+            )
+        );
     }
 
     #[test]

@@ -3,7 +3,7 @@
 //! tokens back on its own channel. A request whose receiver is dropped (the client went
 //! away) is cancelled and its blocks freed in the next step.
 
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{mpsc, Arc, Mutex};
 use std::time::Instant;
 use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver, UnboundedSender};
@@ -161,18 +161,32 @@ impl Sink {
     }
 }
 
-struct Request {
+/// A request on its way to the engine thread.
+pub(crate) struct Request {
     arrived: Instant,
     id: u64,
     prompt: Vec<u32>,
     params: SamplingParams,
-    events: UnboundedSender<Event>,
+    /// Where the request's events go.
+    pub(crate) events: UnboundedSender<Event>,
 }
 
 struct Shared {
     info: EngineInfo,
     stats: Mutex<EngineStats>,
     next_id: AtomicU64,
+    /// Whether the engine thread is still running (false once it has ended, by a panic too).
+    running: AtomicBool,
+}
+
+/// Clears [`Shared::running`] when the engine thread ends, however it ends: dropped on return
+/// and while a panic unwinds, so a dead engine never passes for a live one.
+struct RunningFlag(Arc<Shared>);
+
+impl Drop for RunningFlag {
+    fn drop(&mut self) {
+        self.0.running.store(false, Ordering::Release);
+    }
 }
 
 /// A handle to the engine thread; clones share it. The thread stops when every handle is
@@ -220,9 +234,7 @@ impl RequestStream {
                 Event::Finished(f) => return Ok((tokens, text, f)),
             }
         }
-        Err(Error::InvalidParameter(
-            "the engine stopped before the request finished".into(),
-        ))
+        Err(Error::EngineStopped)
     }
 }
 
@@ -312,6 +324,7 @@ impl EngineHandle {
                 ..Default::default()
             }),
             next_id: AtomicU64::new(0),
+            running: AtomicBool::new(true),
         });
         let (tx, rx) = mpsc::channel();
         let sched = SchedulerConfig {
@@ -323,6 +336,7 @@ impl EngineHandle {
         std::thread::Builder::new()
             .name("ferrite-engine".into())
             .spawn(move || {
+                let _running = RunningFlag(Arc::clone(&thread_shared));
                 let pool = BlockPool::new(plan.num_blocks, plan.block_size);
                 EngineLoop {
                     model,
@@ -393,8 +407,46 @@ impl EngineHandle {
                 params,
                 events,
             })
-            .map_err(|_| Error::InvalidParameter("the engine has stopped".into()))?;
+            .map_err(|_| Error::EngineStopped)?;
         Ok(RequestStream { rx })
+    }
+
+    /// Whether the engine thread is still running: false once it has ended, by a panic too
+    /// (then nothing more can be served and the process should be restarted).
+    pub fn is_running(&self) -> bool {
+        self.shared.running.load(Ordering::Acquire)
+    }
+
+    /// For tests without a model: a handle whose engine thread runs `body` (with the real
+    /// loop's running flag) instead of the loop; returns the thread to join.
+    #[cfg(test)]
+    pub(crate) fn with_thread(
+        body: impl FnOnce(mpsc::Receiver<Request>) + Send + 'static,
+    ) -> (Self, std::thread::JoinHandle<()>) {
+        let shared = Arc::new(Shared {
+            info: EngineInfo {
+                cache: CachePlan {
+                    num_blocks: 1,
+                    block_size: 16,
+                    kv_bytes: 0,
+                    explanation: String::new(),
+                },
+                max_model_len: 16,
+                vocab_size: 16,
+                utilization: 0.9,
+                prefix_caching: false,
+            },
+            stats: Mutex::new(EngineStats::default()),
+            next_id: AtomicU64::new(0),
+            running: AtomicBool::new(true),
+        });
+        let (tx, rx) = mpsc::channel();
+        let flag = RunningFlag(Arc::clone(&shared));
+        let thread = std::thread::spawn(move || {
+            let _running = flag;
+            body(rx)
+        });
+        (EngineHandle { tx, shared }, thread)
     }
 }
 
@@ -558,5 +610,40 @@ impl EngineLoop {
             st.prefix_queries = prefix.queries;
             st.prefix_hits = prefix.hits;
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_engine_thread_that_panics_is_reported_stopped_and_refuses_requests() {
+        let (engine, thread) = EngineHandle::with_thread(|_rx| panic!("a bug in a step"));
+        assert!(thread.join().is_err(), "the thread panicked");
+        assert!(!engine.is_running());
+        let err = engine
+            .submit(vec![1, 2], SamplingParams::greedy(2))
+            .err()
+            .map(|e| e.to_string());
+        assert_eq!(
+            err.as_deref(),
+            Some("the engine has stopped; the server must be restarted")
+        );
+    }
+
+    #[test]
+    fn a_running_engine_thread_is_reported_running() {
+        let (stop, wait) = mpsc::channel::<()>();
+        let (engine, thread) = EngineHandle::with_thread(move |_rx| {
+            let _ = wait.recv();
+        });
+        assert!(engine.is_running());
+        drop(stop);
+        thread.join().expect("ends");
+        assert!(
+            !engine.is_running(),
+            "a thread that returned is not running either"
+        );
     }
 }

@@ -22,6 +22,10 @@ pub enum Error {
     /// A request parameter is outside its allowed range.
     #[error("{0}")]
     InvalidParameter(String),
+    /// The engine thread has ended (a bug made it panic): nothing more can be generated
+    /// until the process restarts.
+    #[error("the engine has stopped; the server must be restarted")]
+    EngineStopped,
     /// The HTTP server could not start or stopped with an error.
     #[error("server: {0}")]
     Server(String),

@@ -168,9 +168,7 @@ async fn collect(mut stream: RequestStream, mut tracker: Tracker) -> Result<Choi
             }
         }
     }
-    Err(ApiError::unavailable(
-        "the engine stopped before the request finished",
-    ))
+    Err(crate::Error::EngineStopped.into())
 }
 
 fn usage(prompt_tokens: usize, completion_tokens: usize, cached: usize) -> Value {
@@ -323,12 +321,14 @@ fn sse(
     arrived: Instant,
 ) -> Sse<impl Stream<Item = Result<SseEvent, Infallible>>> {
     let n = streams.len();
+    // Every choice's events, then `None` once all streams have ended.
     let merged = stream::select_all(streams.into_iter().enumerate().map(|(i, s)| {
         Box::pin(
             stream::unfold(s, |mut s| async move { s.next().await.map(|ev| (ev, s)) })
-                .map(move |ev| (i, ev)),
+                .map(move |ev| Some((i, ev))),
         )
-    }));
+    }))
+    .chain(stream::once(async { None }));
     let plan = Arc::new(plan);
     let trackers: Vec<Tracker> = (0..n)
         .map(|_| Tracker {
@@ -381,7 +381,14 @@ fn sse(
         .scan(acc, {
             let plan = Arc::clone(&plan);
             let envelope = envelope.clone();
-            move |acc, (i, ev)| {
+            move |acc, item| {
+                let Some((i, ev)) = item else {
+                    // Streams that ended without finishing lost their engine: say so rather
+                    // than end as if complete.
+                    let lost = (acc.open > 0)
+                        .then(|| ApiError::from(crate::Error::EngineStopped).body());
+                    return futures::future::ready(Some(lost.into_iter().collect()));
+                };
                 let out = match ev {
                     Event::Token { token, text } => {
                         acc.trackers[i].token();

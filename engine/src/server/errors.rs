@@ -72,6 +72,19 @@ impl ApiError {
         }
     }
 
+    /// OpenAI's error object: `{"error": {"message", "type", "param", "code"}}` (also sent
+    /// as the last event of a stream that fails midway).
+    pub fn body(&self) -> serde_json::Value {
+        json!({
+            "error": {
+                "message": self.message,
+                "type": self.kind(),
+                "param": self.param,
+                "code": self.status.as_u16(),
+            }
+        })
+    }
+
     fn kind(&self) -> &'static str {
         match self.status {
             StatusCode::BAD_REQUEST => "invalid_request_error",
@@ -113,15 +126,7 @@ impl From<Error> for ApiError {
 
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
-        let body = json!({
-            "error": {
-                "message": self.message,
-                "type": self.kind(),
-                "param": self.param,
-                "code": self.status.as_u16(),
-            }
-        });
-        let mut resp = (self.status, Json(body)).into_response();
+        let mut resp = (self.status, Json(self.body())).into_response();
         if self.status == StatusCode::SERVICE_UNAVAILABLE {
             resp.headers_mut()
                 .insert(header::RETRY_AFTER, HeaderValue::from_static("1"));

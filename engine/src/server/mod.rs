@@ -168,6 +168,12 @@ async fn health(State(state): State<Arc<AppState>>) -> Response {
         return (StatusCode::SERVICE_UNAVAILABLE, "draining").into_response();
     }
     match state.ready.get() {
+        // A dead engine fails the liveness probe, so Kubernetes restarts the pod.
+        Some(r) if !r.engine.is_running() => (
+            StatusCode::INTERNAL_SERVER_ERROR,
+            crate::Error::EngineStopped.to_string(),
+        )
+            .into_response(),
         Some(_) => (StatusCode::OK, "ok").into_response(),
         None => (StatusCode::SERVICE_UNAVAILABLE, "loading").into_response(),
     }
@@ -346,6 +352,95 @@ mod tests {
         );
         state.start_draining();
         assert_eq!(call(state, get()).await.0, StatusCode::SERVICE_UNAVAILABLE);
+    }
+
+    /// A word-level tokenizer of a few words, for a server state without a model.
+    fn tiny_tokenizer() -> Tokenizer {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let vocab: serde_json::Map<String, serde_json::Value> = ["<unk>", "hi", "there"]
+            .iter()
+            .enumerate()
+            .map(|(i, w)| (w.to_string(), json!(i)))
+            .collect();
+        let spec = json!({
+            "version": "1.0",
+            "model": {"type": "WordLevel", "vocab": vocab, "unk_token": "<unk>"},
+            "pre_tokenizer": {"type": "Whitespace"},
+        });
+        std::fs::write(dir.path().join("tokenizer.json"), spec.to_string()).expect("write");
+        Tokenizer::from_hf_dir(dir.path()).expect("tokenizer")
+    }
+
+    #[tokio::test]
+    async fn a_dead_engine_fails_health_and_requests_with_500() {
+        let (engine, thread) = EngineHandle::with_thread(|_rx| panic!("a bug in a step"));
+        assert!(thread.join().is_err());
+        let state = loading();
+        state.set_ready(engine, tiny_tokenizer());
+        let (status, body) = call(
+            Arc::clone(&state),
+            Request::get("/health")
+                .body(Body::empty())
+                .expect("request"),
+        )
+        .await;
+        assert_eq!(
+            (status, body.as_str()),
+            (
+                StatusCode::INTERNAL_SERVER_ERROR,
+                "the engine has stopped; the server must be restarted"
+            )
+        );
+        let (status, body) = call(
+            state,
+            post(
+                "/v1/completions",
+                r#"{"model":"m","prompt":"hi there","max_tokens":2}"#,
+            ),
+        )
+        .await;
+        assert_eq!(status, StatusCode::INTERNAL_SERVER_ERROR, "{body}");
+        assert!(body.contains("the engine has stopped"), "{body}");
+    }
+
+    #[tokio::test]
+    async fn a_stream_cut_off_by_the_engine_ends_with_an_error_event() {
+        // An engine that takes the request, sends one token and dies.
+        let (engine, _thread) = EngineHandle::with_thread(|rx| {
+            if let Ok(req) = rx.recv() {
+                let token = crate::sequence::TokenOutput {
+                    id: 1,
+                    logprob: None,
+                    top: Vec::new(),
+                };
+                let _ = req.events.send(crate::engine::Event::Token {
+                    token,
+                    text: " hi".into(),
+                });
+            }
+            panic!("a bug in a step");
+        });
+        let state = loading();
+        state.set_ready(engine, tiny_tokenizer());
+        let (status, body) = call(
+            state,
+            post(
+                "/v1/completions",
+                r#"{"model":"m","prompt":"hi","max_tokens":4,"stream":true}"#,
+            ),
+        )
+        .await;
+        assert_eq!(status, StatusCode::OK);
+        let events: Vec<&str> = body
+            .lines()
+            .filter_map(|l| l.strip_prefix("data: "))
+            .collect();
+        assert!(events[0].contains(r#""text":" hi""#), "{body}");
+        assert!(
+            events[events.len() - 2].contains("the engine has stopped"),
+            "{body}"
+        );
+        assert_eq!(events[events.len() - 1], "[DONE]", "{body}");
     }
 
     #[tokio::test]

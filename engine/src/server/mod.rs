@@ -141,6 +141,23 @@ pub fn router(state: Arc<AppState>) -> Router {
             }
         })
         .with_state(state)
+        .layer(panics_answered())
+}
+
+/// Answers a request whose handler panicked (a bug) with OpenAI's 500 error instead of
+/// dropping its connection.
+fn panics_answered(
+) -> tower_http::catch_panic::CatchPanicLayer<fn(Box<dyn std::any::Any + Send + 'static>) -> Response>
+{
+    fn answer(_: Box<dyn std::any::Any + Send + 'static>) -> Response {
+        ApiError {
+            status: StatusCode::INTERNAL_SERVER_ERROR,
+            message: "internal error: the request's handler failed; this is a bug".into(),
+            param: None,
+        }
+        .into_response()
+    }
+    tower_http::catch_panic::CatchPanicLayer::custom(answer)
 }
 
 async fn models(State(state): State<Arc<AppState>>) -> Result<Json<serde_json::Value>, ApiError> {
@@ -441,6 +458,32 @@ mod tests {
             "{body}"
         );
         assert_eq!(events[events.len() - 1], "[DONE]", "{body}");
+    }
+
+    #[tokio::test]
+    async fn a_handler_that_panics_is_answered_with_a_500_error() {
+        let app = Router::new()
+            .route(
+                "/boom",
+                get(|| async {
+                    if true {
+                        panic!("a bug in a handler");
+                    }
+                    "unreachable"
+                }),
+            )
+            .layer(panics_answered());
+        let resp = app
+            .oneshot(Request::get("/boom").body(Body::empty()).expect("request"))
+            .await
+            .expect("answered");
+        assert_eq!(resp.status(), StatusCode::INTERNAL_SERVER_ERROR);
+        let body = resp.into_body().collect().await.expect("body").to_bytes();
+        let v: serde_json::Value = serde_json::from_slice(&body).expect("json");
+        assert_eq!(v["error"]["code"], 500);
+        assert!(v["error"]["message"]
+            .as_str()
+            .is_some_and(|m| m.contains("this is a bug")));
     }
 
     #[tokio::test]

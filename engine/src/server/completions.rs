@@ -476,7 +476,7 @@ pub async fn completions(
     let params = req
         .sampling
         .params(req.max_tokens.unwrap_or(16), req.logprobs)?;
-    let (stream, include_usage) = req.sampling.streaming();
+    let (stream, include_usage) = req.sampling.streaming()?;
     let plan = Plan {
         kind: Kind::Completion,
         id: request_id("cmpl"),
@@ -522,7 +522,7 @@ pub async fn chat(State(state): State<Arc<AppState>>, body: Bytes) -> Result<Res
             .max(1),
     };
     let params = req.sampling.params(max_tokens, top)?;
-    let (stream, include_usage) = req.sampling.streaming();
+    let (stream, include_usage) = req.sampling.streaming()?;
     let plan = Plan {
         kind: Kind::Chat,
         id: request_id("chatcmpl"),
@@ -581,6 +581,30 @@ mod tests {
         let (param, message) = refusal(r#"{"model": "m", "prompt": {"text": "hi"}}"#);
         assert_eq!(param.as_deref(), Some("prompt"), "{message}");
         assert!(message.contains("a list of token ids"), "{message}");
+    }
+
+    #[test]
+    fn stream_options_need_stream_true() {
+        let streaming = |body: &str| {
+            parse::<CompletionRequest>(&Bytes::from(body.to_string()), COMPLETION_FIELDS)
+                .expect("parses")
+                .sampling
+                .streaming()
+        };
+        let e = streaming(
+            r#"{"model": "m", "prompt": "hi", "stream_options": {"include_usage": true}}"#,
+        )
+        .expect_err("refused");
+        assert_eq!(e.param.as_deref(), Some("stream_options"));
+        assert_eq!(
+            streaming(r#"{"model": "m", "prompt": "hi", "stream": true, "stream_options": {"include_usage": true}}"#)
+                .ok(),
+            Some((true, true))
+        );
+        assert_eq!(
+            streaming(r#"{"model": "m", "prompt": "hi"}"#).ok(),
+            Some((false, false))
+        );
     }
 
     #[test]

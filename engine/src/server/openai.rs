@@ -148,17 +148,17 @@ impl Sampling {
         Ok(p)
     }
 
-    /// Whether to stream, and whether to end with a usage chunk.
-    pub fn streaming(&self) -> (bool, bool) {
+    /// Whether to stream, and whether to end with a usage chunk; `stream_options` without
+    /// `stream: true` is refused, as OpenAI and vLLM refuse it.
+    pub fn streaming(&self) -> Result<(bool, bool), ApiError> {
         let stream = self.stream.unwrap_or(false);
-        (
-            stream,
-            stream
-                && self
-                    .stream_options
-                    .as_ref()
-                    .is_some_and(|o| o.include_usage),
-        )
+        match &self.stream_options {
+            Some(_) if !stream => Err(ApiError::bad_request(
+                "`stream_options` is only allowed with `stream: true`",
+                Some("stream_options"),
+            )),
+            options => Ok((stream, options.as_ref().is_some_and(|o| o.include_usage))),
+        }
     }
 }
 

@@ -31,10 +31,15 @@ enum Kind {
     Chat,
 }
 
-/// Parses a JSON body, refusing malformed JSON and unknown fields by name.
-fn parse<T: serde::de::DeserializeOwned>(body: &Bytes, known: &[&str]) -> Result<T, ApiError> {
-    let value = super::errors::json_body(body)?;
-    let Some(obj) = value.as_object() else {
+/// Parses a JSON body into the endpoint's own fields (`T`, from `known`) and the sampling
+/// fields both endpoints share, refusing malformed JSON and unknown fields by name. The two
+/// are read apart, each naming a field of the wrong type (a flattened struct would hide
+/// the sampling fields' names).
+fn parse<T: serde::de::DeserializeOwned>(
+    body: &Bytes,
+    known: &[&str],
+) -> Result<(T, Sampling), ApiError> {
+    let Value::Object(obj) = super::errors::json_body(body)? else {
         return Err(ApiError::bad_request(
             "the request body must be a JSON object",
             None,
@@ -51,22 +56,13 @@ fn parse<T: serde::de::DeserializeOwned>(body: &Bytes, known: &[&str]) -> Result
             Some(k),
         ));
     }
-    // The sampling fields are flattened into each request, and serde reads flattened fields
-    // through a buffer that loses their names; so when a request is refused without one,
-    // its sampling fields are read alone to name the one at fault.
-    let sampling: Value = obj
-        .iter()
-        .filter(|(k, _)| SAMPLING_FIELDS.contains(&k.as_str()))
-        .map(|(k, v)| (k.clone(), v.clone()))
-        .collect::<serde_json::Map<_, _>>()
-        .into();
-    super::errors::from_json(value).map_err(|e| match e.param {
-        Some(_) => e,
-        None => super::errors::from_json::<Sampling>(sampling)
-            .err()
-            .filter(|named| named.param.is_some())
-            .unwrap_or(e),
-    })
+    let (sampling, own): (serde_json::Map<_, _>, serde_json::Map<_, _>) = obj
+        .into_iter()
+        .partition(|(k, _)| SAMPLING_FIELDS.contains(&k.as_str()));
+    Ok((
+        super::errors::from_json(own.into())?,
+        super::errors::from_json(sampling.into())?,
+    ))
 }
 
 /// One engine request: a prompt and the choice it answers.
@@ -442,9 +438,9 @@ pub async fn completions(
     body: Bytes,
 ) -> Result<Response, ApiError> {
     let ready = state.ready()?;
-    let req: CompletionRequest = parse(&body, COMPLETION_FIELDS)?;
+    let (req, sampling): (CompletionRequest, Sampling) = parse(&body, COMPLETION_FIELDS)?;
     state.check_model(&req.model)?;
-    let n = req.sampling.n()?;
+    let n = sampling.n()?;
     let echo = req.echo.unwrap_or(false);
     if echo && req.logprobs.is_some() {
         return Err(ApiError::bad_request("`echo` together with `logprobs` is not supported (prompt log-probabilities are not computed)", Some("echo")));
@@ -473,10 +469,8 @@ pub async fn completions(
     } else {
         Vec::new()
     };
-    let params = req
-        .sampling
-        .params(req.max_tokens.unwrap_or(16), req.logprobs)?;
-    let (stream, include_usage) = req.sampling.streaming()?;
+    let params = sampling.params(req.max_tokens.unwrap_or(16), req.logprobs)?;
+    let (stream, include_usage) = sampling.streaming()?;
     let plan = Plan {
         kind: Kind::Completion,
         id: request_id("cmpl"),
@@ -494,9 +488,9 @@ pub async fn completions(
 /// `POST /v1/chat/completions`.
 pub async fn chat(State(state): State<Arc<AppState>>, body: Bytes) -> Result<Response, ApiError> {
     let ready = state.ready()?;
-    let req: ChatRequest = parse(&body, CHAT_FIELDS)?;
+    let (req, sampling): (ChatRequest, Sampling) = parse(&body, CHAT_FIELDS)?;
     state.check_model(&req.model)?;
-    let n = req.sampling.n()?;
+    let n = sampling.n()?;
     let messages = req.messages()?;
     let template = ready.tokenizer.chat_template()?;
     let prompt = ready
@@ -521,8 +515,8 @@ pub async fn chat(State(state): State<Arc<AppState>>, body: Bytes) -> Result<Res
             .saturating_sub(prompt.len())
             .max(1),
     };
-    let params = req.sampling.params(max_tokens, top)?;
-    let (stream, include_usage) = req.sampling.streaming()?;
+    let params = sampling.params(max_tokens, top)?;
+    let (stream, include_usage) = sampling.streaming()?;
     let plan = Plan {
         kind: Kind::Chat,
         id: request_id("chatcmpl"),
@@ -555,16 +549,25 @@ fn jobs(prompts: &[Vec<u32>], n: usize) -> Vec<Job> {
 mod tests {
     use super::*;
 
+    /// A completion request body read as the endpoint reads it.
+    fn read(body: &str) -> Result<(CompletionRequest, Sampling), ApiError> {
+        parse(&Bytes::from(body.to_string()), COMPLETION_FIELDS)
+    }
+
+    /// The sampling fields of a completion request body that parses.
+    fn sampling(body: &str) -> Sampling {
+        read(body).expect("parses").1
+    }
+
     /// The status, `param` and message a completion request body is refused with.
     fn refusal(body: &str) -> (Option<String>, String) {
-        let e = parse::<CompletionRequest>(&Bytes::from(body.to_string()), COMPLETION_FIELDS)
-            .expect_err("refused");
+        let e = read(body).expect_err("refused");
         assert_eq!(e.status, axum::http::StatusCode::BAD_REQUEST);
         (e.param, e.message)
     }
 
     #[test]
-    fn a_field_of_the_wrong_type_is_named_even_among_the_flattened_sampling_fields() {
+    fn a_field_of_the_wrong_type_is_named_among_the_sampling_fields_too() {
         let (param, message) = refusal(r#"{"model": "m", "prompt": "hi", "max_tokens": -1}"#);
         assert_eq!(param.as_deref(), Some("max_tokens"), "{message}");
         let (param, message) = refusal(r#"{"model": "m", "prompt": "hi", "temperature": "hot"}"#);
@@ -585,12 +588,7 @@ mod tests {
 
     #[test]
     fn stream_options_need_stream_true() {
-        let streaming = |body: &str| {
-            parse::<CompletionRequest>(&Bytes::from(body.to_string()), COMPLETION_FIELDS)
-                .expect("parses")
-                .sampling
-                .streaming()
-        };
+        let streaming = |body: &str| sampling(body).streaming();
         let e = streaming(
             r#"{"model": "m", "prompt": "hi", "stream_options": {"include_usage": true}}"#,
         )
@@ -609,18 +607,16 @@ mod tests {
 
     #[test]
     fn logit_bias_keys_are_token_ids() {
-        let body = |bias: &str| {
-            Bytes::from(format!(
+        let bias = |bias: &str| {
+            sampling(&format!(
                 r#"{{"model": "m", "prompt": "hi", "logit_bias": {bias}}}"#
             ))
         };
-        let req: CompletionRequest =
-            parse(&body(r#"{"7": 100, " 3": -2.5}"#), COMPLETION_FIELDS).expect("parses");
-        let p = req.sampling.params(4, None).expect("valid");
+        let p = bias(r#"{"7": 100, " 3": -2.5}"#)
+            .params(4, None)
+            .expect("valid");
         assert_eq!(p.logit_bias, vec![(3, -2.5), (7, 100.0)]);
-        let req: CompletionRequest =
-            parse(&body(r#"{"the": 1}"#), COMPLETION_FIELDS).expect("parses");
-        let e = req.sampling.params(4, None).expect_err("refused");
+        let e = bias(r#"{"the": 1}"#).params(4, None).expect_err("refused");
         assert_eq!(
             (e.param.as_deref(), e.message.as_str()),
             (

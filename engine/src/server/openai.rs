@@ -209,9 +209,6 @@ pub struct CompletionRequest {
     pub logprobs: Option<usize>,
     /// Prepend the prompt to the completion.
     pub echo: Option<bool>,
-    /// Sampling and streaming fields.
-    #[serde(flatten)]
-    pub sampling: Sampling,
 }
 
 /// Message content: a string or a list of text parts.
@@ -258,9 +255,6 @@ pub struct ChatRequest {
     pub logprobs: Option<bool>,
     /// Alternatives per position, with `logprobs`.
     pub top_logprobs: Option<usize>,
-    /// Sampling and streaming fields.
-    #[serde(flatten)]
-    pub sampling: Sampling,
 }
 
 impl ChatRequest {

@@ -311,43 +311,57 @@ impl EngineHandle {
             plan.explanation
         );
         let cache = new_paged(&model.model, config.kv_dtype, plan.block_size);
-        let shared = Arc::new(Shared {
-            info: EngineInfo {
-                cache: plan.clone(),
-                max_model_len,
-                vocab_size: c.vocab_size,
-                utilization: config.gpu_memory_utilization,
-                prefix_caching: config.enable_prefix_caching,
-            },
-            stats: Mutex::new(EngineStats {
-                total_blocks: plan.num_blocks,
-                ..Default::default()
-            }),
-            next_id: AtomicU64::new(0),
-            running: AtomicBool::new(true),
-        });
-        let (tx, rx) = mpsc::channel();
+        let info = EngineInfo {
+            cache: plan.clone(),
+            max_model_len,
+            vocab_size: c.vocab_size,
+            utilization: config.gpu_memory_utilization,
+            prefix_caching: config.enable_prefix_caching,
+        };
         let sched = SchedulerConfig {
             max_num_seqs: config.max_num_seqs,
             max_num_batched_tokens: config.max_num_batched_tokens,
             enable_prefix_caching: config.enable_prefix_caching,
         };
+        let (handle, _thread) = Self::spawn(info, move |rx, shared| {
+            let pool = BlockPool::new(plan.num_blocks, plan.block_size);
+            EngineLoop {
+                model,
+                cache,
+                sched: Scheduler::new(sched, pool),
+                shared,
+            }
+            .run(rx)
+        })?;
+        Ok(handle)
+    }
+
+    /// Starts the engine thread: `body` gets the request channel and the shared state, and
+    /// the running flag is cleared however `body` ends.
+    fn spawn(
+        info: EngineInfo,
+        body: impl FnOnce(mpsc::Receiver<Request>, Arc<Shared>) + Send + 'static,
+    ) -> Result<(Self, std::thread::JoinHandle<()>)> {
+        let shared = Arc::new(Shared {
+            stats: Mutex::new(EngineStats {
+                total_blocks: info.cache.num_blocks,
+                ..Default::default()
+            }),
+            info,
+            next_id: AtomicU64::new(0),
+            running: AtomicBool::new(true),
+        });
+        let (tx, rx) = mpsc::channel();
+        let flag = RunningFlag(Arc::clone(&shared));
         let thread_shared = Arc::clone(&shared);
-        std::thread::Builder::new()
+        let thread = std::thread::Builder::new()
             .name("ferrite-engine".into())
             .spawn(move || {
-                let _running = RunningFlag(Arc::clone(&thread_shared));
-                let pool = BlockPool::new(plan.num_blocks, plan.block_size);
-                EngineLoop {
-                    model,
-                    cache,
-                    sched: Scheduler::new(sched, pool),
-                    shared: thread_shared,
-                }
-                .run(rx)
+                let _running = flag;
+                body(rx, thread_shared)
             })
             .map_err(|e| Error::InvalidParameter(format!("cannot start the engine thread: {e}")))?;
-        Ok(EngineHandle { tx, shared })
+        Ok((EngineHandle { tx, shared }, thread))
     }
 
     /// Facts about the engine (cache size, limits).
@@ -417,36 +431,25 @@ impl EngineHandle {
         self.shared.running.load(Ordering::Acquire)
     }
 
-    /// For tests without a model: a handle whose engine thread runs `body` (with the real
-    /// loop's running flag) instead of the loop; returns the thread to join.
+    /// For tests without a model: a handle whose engine thread runs `body` instead of the
+    /// loop, started as the real one is; returns the thread to join.
     #[cfg(test)]
     pub(crate) fn with_thread(
         body: impl FnOnce(mpsc::Receiver<Request>) + Send + 'static,
     ) -> (Self, std::thread::JoinHandle<()>) {
-        let shared = Arc::new(Shared {
-            info: EngineInfo {
-                cache: CachePlan {
-                    num_blocks: 1,
-                    block_size: 16,
-                    kv_bytes: 0,
-                    explanation: String::new(),
-                },
-                max_model_len: 16,
-                vocab_size: 16,
-                utilization: 0.9,
-                prefix_caching: false,
+        let info = EngineInfo {
+            cache: CachePlan {
+                num_blocks: 1,
+                block_size: 16,
+                kv_bytes: 0,
+                explanation: String::new(),
             },
-            stats: Mutex::new(EngineStats::default()),
-            next_id: AtomicU64::new(0),
-            running: AtomicBool::new(true),
-        });
-        let (tx, rx) = mpsc::channel();
-        let flag = RunningFlag(Arc::clone(&shared));
-        let thread = std::thread::spawn(move || {
-            let _running = flag;
-            body(rx)
-        });
-        (EngineHandle { tx, shared }, thread)
+            max_model_len: 16,
+            vocab_size: 16,
+            utilization: 0.9,
+            prefix_caching: false,
+        };
+        Self::spawn(info, |rx, _| body(rx)).expect("the thread starts")
     }
 }
 

@@ -210,7 +210,7 @@ impl Sampler {
 
     /// Applies penalties, then logit biases, in place; `banned` ids (end tokens before
     /// `min_tokens`) get -inf.
-    pub fn apply_penalties(&self, logits: &mut [f32], banned: &[u32]) {
+    pub fn adjust_logits(&self, logits: &mut [f32], banned: &[u32]) {
         let p = &self.params;
         if p.repetition_penalty != 1.0 {
             let penalise = |l: &mut f32| {
@@ -466,7 +466,7 @@ mod tests {
         s.observe(0);
         s.observe(0);
         let mut logits = vec![4.0, 1.0, 2.0];
-        s.apply_penalties(&mut logits, &[1]);
+        s.adjust_logits(&mut logits, &[1]);
         assert_eq!(logits[0], 4.0 / 2.0 - 1.0 - 1.0);
         assert_eq!(logits[1], f32::NEG_INFINITY);
         assert_eq!(logits[2], 1.0);
@@ -510,7 +510,7 @@ mod tests {
             });
             let mut s = Sampler::new(p, &[]);
             let mut l = logits;
-            s.apply_penalties(&mut l, &[]);
+            s.adjust_logits(&mut l, &[]);
             s.sample(&l)
         };
         assert_eq!(pick(vec![(3, 5.0)], 0.0), 3, "a bias lifts a token");

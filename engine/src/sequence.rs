@@ -95,7 +95,7 @@ impl SequenceState {
         } else {
             &[]
         };
-        self.sampler.apply_penalties(logits, banned);
+        self.sampler.adjust_logits(logits, banned);
         let id = self.sampler.sample(logits);
         self.sampler.observe(id);
         self.output.push(id);

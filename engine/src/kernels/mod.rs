@@ -5,6 +5,8 @@ pub mod attention;
 pub mod buffers;
 #[cfg(target_arch = "x86_64")]
 mod fold;
+#[allow(unsafe_code)]
+pub mod hugepages;
 pub mod quant;
 
 /// Rows each parallel task takes in row-by-row work on rows of `len` values: enough for

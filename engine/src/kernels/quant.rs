@@ -10,8 +10,13 @@
 //! its own activation row and weight row, in a fixed order, so results are batch-invariant.
 //! The kernel walks weight rows in parallel and streams each once for all activation rows.
 
+use std::ops::{Deref, Range};
+use std::sync::Arc;
+
 use half::f16;
 use rayon::prelude::*;
+
+use super::hugepages::HugePages;
 
 #[cfg(target_arch = "x86_64")]
 #[allow(unsafe_code)]
@@ -48,7 +53,27 @@ pub struct QuantMatrix {
     format: WeightFormat,
     rows: usize,
     cols: usize,
-    data: Vec<u8>,
+    data: Bytes,
+}
+
+/// Where a matrix's GGUF bytes live.
+#[derive(Debug, Clone)]
+enum Bytes {
+    /// An allocation of its own.
+    Own(Vec<u8>),
+    /// A stretch of a huge-page arena shared with other matrices ([`QuantMatrix::share_huge_pages`]).
+    Shared(Arc<HugePages>, Range<usize>),
+}
+
+impl Deref for Bytes {
+    type Target = [u8];
+
+    fn deref(&self) -> &[u8] {
+        match self {
+            Bytes::Own(v) => v,
+            Bytes::Shared(arena, r) => &arena[r.clone()],
+        }
+    }
 }
 
 fn f16_at(b: &[u8], at: usize) -> f32 {
@@ -106,7 +131,7 @@ impl QuantMatrix {
             format,
             rows,
             cols,
-            data: data.to_vec(),
+            data: Bytes::Own(data.to_vec()),
         })
     }
 
@@ -124,8 +149,20 @@ impl QuantMatrix {
             format: first.format,
             rows: parts.iter().map(|p| p.rows).sum(),
             cols: first.cols,
-            data: parts.iter().flat_map(|p| p.data.iter().copied()).collect(),
+            data: Bytes::Own(parts.iter().flat_map(|p| p.data.iter().copied()).collect()),
         })
+    }
+
+    /// Moves the matrices' bytes into one arena backed by huge pages ([`HugePages`]): a
+    /// step streams every weight, and small pages would make it wait on page walks. Values
+    /// and results are unchanged.
+    pub fn share_huge_pages(matrices: &mut [&mut QuantMatrix]) {
+        let parts: Vec<&[u8]> = matrices.iter().map(|m| &*m.data).collect();
+        let (arena, ranges) = HugePages::pack(&parts);
+        let arena = Arc::new(arena);
+        for (m, r) in matrices.iter_mut().zip(ranges) {
+            m.data = Bytes::Shared(Arc::clone(&arena), r);
+        }
     }
 
     /// Output features (rows of the weight).
@@ -1373,5 +1410,32 @@ mod tests {
         let q8 = QuantMatrix::from_gguf(WeightFormat::Q8_0, 1, 64, &[0u8; 68]).expect("sizes");
         assert!(QuantMatrix::stack(&[&parts[0], &q8]).is_none());
         assert!(QuantMatrix::stack(&[]).is_none());
+    }
+
+    #[test]
+    fn matrices_moved_into_huge_pages_give_the_same_results() {
+        let part = |rows: usize, cols: usize, salt: usize| {
+            let w: Vec<Vec<f32>> = (0..rows)
+                .map(|r| {
+                    (0..cols)
+                        .map(|c| ((r * 7 + c * 5 + salt) % 37) as f32 / 37.0 - 0.5)
+                        .collect()
+                })
+                .collect();
+            QuantMatrix::from_gguf(WeightFormat::Q4_1, rows, cols, &encode_q4_1(&w)).expect("sizes")
+        };
+        let own = [part(12, 64, 1), part(5, 96, 2), part(8, 32, 3)];
+        let mut shared = own.clone();
+        QuantMatrix::share_huge_pages(&mut shared.iter_mut().collect::<Vec<_>>());
+        for (a, b) in own.iter().zip(&shared) {
+            assert!(matches!(b.data, Bytes::Shared(..)));
+            assert_eq!(a.gguf_bytes(), b.gguf_bytes());
+            for m in [1, 9, 40] {
+                let x: Vec<f32> = (0..m * a.cols())
+                    .map(|i| ((i * 11) % 19) as f32 / 19.0 - 0.5)
+                    .collect();
+                assert_eq!(a.matmul(&x), b.matmul(&x), "{m} rows");
+            }
+        }
     }
 }

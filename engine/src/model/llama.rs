@@ -213,11 +213,26 @@ impl Llama {
         } else {
             WeightName::Output
         };
-        let lm_head = Linear {
+        let mut lm_head = Linear {
             weight: src.matmul(head_name, (c.vocab_size, h))?,
             bias: None,
         };
         bytes += lm_head.weight.bytes();
+        let mut quant: Vec<&mut QuantMatrix> = Vec::new();
+        for b in &mut blocks {
+            for fanout in [&mut b.qkv, &mut b.gate_up] {
+                match fanout {
+                    Fanout::Stacked(l) => quant.extend(l.weight.quant_mut()),
+                    Fanout::Separate(parts) => {
+                        quant.extend(parts.iter_mut().filter_map(|l| l.weight.quant_mut()))
+                    }
+                }
+            }
+            quant.extend(b.o.weight.quant_mut());
+            quant.extend(b.down.weight.quant_mut());
+        }
+        quant.extend(lm_head.weight.quant_mut());
+        QuantMatrix::share_huge_pages(&mut quant);
         let norm = to_f32_vec(&src.vector(WeightName::Norm, h)?)?;
         let device = src.device().clone();
         let kv_f16 = !src.is_f32();

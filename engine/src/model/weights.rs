@@ -30,6 +30,14 @@ impl Matmul {
         }
     }
 
+    /// The weight, if it is one of our quantized formats.
+    pub fn quant_mut(&mut self) -> Option<&mut QuantMatrix> {
+        match self {
+            Matmul::Quant(w) => Some(w),
+            Matmul::Candle(_) => None,
+        }
+    }
+
     /// Bytes one pass over the weight reads from memory.
     pub fn bytes(&self) -> usize {
         match self {

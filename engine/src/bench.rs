@@ -292,6 +292,8 @@ fn run_load(
                                     }
                                     n += 1;
                                 }
+                                // Not asked for here.
+                                Event::PromptLogprobs(_) => {}
                                 Event::Finished(_) => break,
                             }
                         }

@@ -245,6 +245,7 @@ impl SamplingArgs {
             stop_token_ids: self.stop_token_id.clone(),
             ignore_eos: self.ignore_eos,
             logprobs: None,
+            prompt_logprobs: None,
             logit_bias: self.logit_bias.clone(),
         }
     }
@@ -563,6 +564,8 @@ fn generate(args: GenerateArgs) -> Result<()> {
                         .and_then(|()| out.flush())
                         .map_err(io)?;
                 }
+                // `generate` does not ask for them.
+                Event::PromptLogprobs(_) => {}
                 Event::Finished(f) => {
                     writeln!(out).map_err(io)?;
                     if single {

@@ -70,6 +70,9 @@ pub enum Event {
         /// Text that may be shown (stop-string prefixes are held back).
         text: String,
     },
+    /// The prompt's tokens after the first, each scored given the tokens before it (asked
+    /// for with `prompt_logprobs`); comes once, before the first token.
+    PromptLogprobs(Vec<TokenOutput>),
     /// The request ended; nothing follows.
     Finished(Finish),
 }
@@ -146,6 +149,9 @@ struct Sink {
     events: UnboundedSender<Event>,
     arrived: Instant,
     scheduled: Option<Instant>,
+    /// With `prompt_logprobs`, until they are sent: the scores of prompt tokens `1..`, by
+    /// position (a sequence preempted before sending recomputes and overwrites them).
+    prompt_scores: Option<Vec<Option<TokenOutput>>>,
 }
 
 impl Sink {
@@ -205,6 +211,19 @@ impl std::fmt::Debug for EngineHandle {
     }
 }
 
+/// A whole completion, collected from its stream.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Collected {
+    /// The prompt's tokens after the first, scored (with `prompt_logprobs`).
+    pub prompt: Option<Vec<TokenOutput>>,
+    /// The generated tokens.
+    pub tokens: Vec<TokenOutput>,
+    /// Their text.
+    pub text: String,
+    /// How the request ended.
+    pub finish: Finish,
+}
+
 /// The tokens of one request as they are produced.
 #[derive(Debug)]
 pub struct RequestStream {
@@ -223,15 +242,30 @@ impl RequestStream {
     }
 
     /// Waits for the whole completion: its tokens, text and how it ended.
-    pub fn collect_blocking(mut self) -> Result<(Vec<TokenOutput>, String, Finish)> {
-        let (mut tokens, mut text) = (Vec::new(), String::new());
+    pub fn collect_blocking(self) -> Result<(Vec<TokenOutput>, String, Finish)> {
+        self.collect_scored_blocking()
+            .map(|c| (c.tokens, c.text, c.finish))
+    }
+
+    /// [`RequestStream::collect_blocking`] with the prompt's scores, if the request asked
+    /// for them (`prompt_logprobs`).
+    pub fn collect_scored_blocking(mut self) -> Result<Collected> {
+        let (mut prompt, mut tokens, mut text) = (None, Vec::new(), String::new());
         while let Some(ev) = self.next_blocking() {
             match ev {
+                Event::PromptLogprobs(scores) => prompt = Some(scores),
                 Event::Token { token, text: t } => {
                     tokens.push(token);
                     text.push_str(&t);
                 }
-                Event::Finished(f) => return Ok((tokens, text, f)),
+                Event::Finished(finish) => {
+                    return Ok(Collected {
+                        prompt,
+                        tokens,
+                        text,
+                        finish,
+                    })
+                }
             }
         }
         Err(Error::EngineStopped)
@@ -497,16 +531,20 @@ impl EngineLoop {
     }
 
     fn admit(&mut self, req: Request) {
+        let sink = Sink {
+            events: req.events,
+            arrived: req.arrived,
+            scheduled: None,
+            prompt_scores: req
+                .params
+                .prompt_logprobs
+                .map(|_| vec![None; req.prompt.len().saturating_sub(1)]),
+        };
         let state = SequenceState::new(
             &req.prompt,
             req.params,
             self.model.tokenizer.stop_token_ids(),
         );
-        let sink = Sink {
-            events: req.events,
-            arrived: req.arrived,
-            scheduled: None,
-        };
         self.sched.add(req.id, req.prompt, state, sink);
     }
 
@@ -537,6 +575,11 @@ impl EngineLoop {
                 cache_slot: slot,
             });
             tables.push(seq.blocks().to_vec());
+            // Prompt tokens to score: position `p`'s logits score token `p + 1`.
+            if seq.sink.prompt_scores.is_some() {
+                let end = (s.start + s.len).min(seq.prompt_len.saturating_sub(1));
+                rows.extend((s.start..end).map(|p| (start + p - s.start) as u32));
+            }
             if s.start + s.len == seq.tokens.len() {
                 rows.push((start + s.len - 1) as u32);
             }
@@ -557,8 +600,19 @@ impl EngineLoop {
         let mut generated = 0u64;
         for s in &plan {
             let seq = self.sched.running_mut(s.index);
+            if let Some(scores) = seq.sink.prompt_scores.as_mut() {
+                let k = seq.state.params().prompt_logprobs.unwrap_or(0);
+                for p in s.start..(s.start + s.len).min(scores.len()) {
+                    let Some(row) = logits.next() else { break };
+                    scores[p] = Some(TokenOutput::scored(seq.tokens[p + 1], row, k));
+                }
+            }
             if seq.computed != seq.tokens.len() {
                 continue;
+            }
+            if let Some(scores) = seq.sink.prompt_scores.take() {
+                let scores = scores.into_iter().flatten().collect();
+                let _ = seq.sink.events.send(Event::PromptLogprobs(scores));
             }
             let Some(row) = logits.next() else { break };
             let step = seq.state.step(row, &self.model.tokenizer)?;

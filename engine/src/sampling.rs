@@ -38,6 +38,9 @@ pub struct SamplingParams {
     pub ignore_eos: bool,
     /// Number of most likely alternatives to report with each token's log-probability.
     pub logprobs: Option<usize>,
+    /// Score the prompt too (vLLM's `prompt_logprobs`): the log-probability of every prompt
+    /// token after the first given the tokens before it, with this many alternatives.
+    pub prompt_logprobs: Option<usize>,
     /// Added to these tokens' logits before sampling (OpenAI's `logit_bias`): each bias in
     /// [-100, 100], where -100 in effect bans a token and 100 in effect forces it.
     pub logit_bias: Vec<(u32, f32)>,
@@ -60,6 +63,7 @@ impl Default for SamplingParams {
             stop_token_ids: Vec::new(),
             ignore_eos: false,
             logprobs: None,
+            prompt_logprobs: None,
             logit_bias: Vec::new(),
         }
     }
@@ -151,11 +155,12 @@ impl SamplingParams {
         if self.stop.iter().any(String::is_empty) {
             return fail("`stop` strings must not be empty".into());
         }
-        if let Some(n) = self.logprobs {
-            if n > MAX_LOGPROBS {
-                return fail(format!(
-                    "`logprobs` must be in [0, {MAX_LOGPROBS}], got {n}"
-                ));
+        for (name, n) in [
+            ("logprobs", self.logprobs),
+            ("prompt_logprobs", self.prompt_logprobs),
+        ] {
+            if let Some(n) = n.filter(|&n| n > MAX_LOGPROBS) {
+                return fail(format!("`{name}` must be in [0, {MAX_LOGPROBS}], got {n}"));
             }
         }
         Ok(())
@@ -489,6 +494,11 @@ mod tests {
         );
         assert!(params(|p| p.max_tokens = 0).validate().is_err());
         assert!(params(|p| p.logprobs = Some(21)).validate().is_err());
+        let err = params(|p| p.prompt_logprobs = Some(21)).validate().err();
+        assert_eq!(
+            err.map(|e| e.to_string()).as_deref(),
+            Some("`prompt_logprobs` must be in [0, 20], got 21")
+        );
         assert!(params(|p| p.stop = vec![String::new()]).validate().is_err());
         let err = params(|p| p.logit_bias = vec![(3, 1.0), (5, -101.0)])
             .validate()

@@ -196,12 +196,16 @@ impl<E> Scheduler<E> {
     /// token are allocated before this returns.
     pub fn schedule(&mut self) -> Vec<Scheduled> {
         let mut budget = self.config.max_num_batched_tokens;
+        // Logits rows of the step: one per sequence that completes its tokens, plus one per
+        // prompt token scored for `prompt_logprobs`; scored tokens are held to what is left
+        // of `max_num_seqs` rows, which the activation memory was sized for.
+        let mut rows = self.config.max_num_seqs;
         let mut plan = Vec::new();
         let mut preempted = false;
         let mut i = 0;
         while i < self.running.len() {
             let seq = &self.running[i];
-            let want = (seq.tokens.len() - seq.computed).min(budget);
+            let want = chunk(seq, budget, &mut rows);
             if want == 0 {
                 i += 1;
                 continue;
@@ -232,10 +236,15 @@ impl<E> Scheduler<E> {
             let Some(mut seq) = self.waiting.pop_front() else {
                 break;
             };
-            if seq.computed == 0 && self.config.enable_prefix_caching {
+            // Prompt tokens served from the cache would go unscored.
+            if seq.computed == 0 && self.config.enable_prefix_caching && !scores_prompt(&seq) {
                 self.match_prefix(&mut seq);
             }
-            let want = (seq.tokens.len() - seq.computed).min(budget);
+            let want = chunk(&seq, budget, &mut rows);
+            if want == 0 {
+                self.waiting.push_front(seq);
+                break;
+            }
             self.running.push(seq);
             let index = self.running.len() - 1;
             let target = self.running[index].computed + want;
@@ -331,6 +340,28 @@ impl<E> Scheduler<E> {
     }
 }
 
+/// Whether `seq` asks for its prompt tokens' log-probabilities.
+fn scores_prompt<E>(seq: &Sequence<E>) -> bool {
+    seq.state.params().prompt_logprobs.is_some()
+}
+
+/// How many of `seq`'s tokens to compute this step within `budget` tokens, taking the
+/// logits rows they need from `rows`: a sequence still scoring its prompt gets at most one
+/// token per row left (at least one row is always left for the first such sequence, since
+/// the others before it take one each and the running batch is at most `max_num_seqs`);
+/// any other takes one row.
+fn chunk<E>(seq: &Sequence<E>, budget: usize, rows: &mut usize) -> usize {
+    let want = (seq.tokens.len() - seq.computed).min(budget);
+    if scores_prompt(seq) && seq.computed + 1 < seq.prompt_len {
+        let want = want.min(*rows);
+        *rows -= want;
+        want
+    } else {
+        *rows = rows.saturating_sub(1);
+        want
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -349,6 +380,27 @@ mod tests {
         let prompt: Vec<u32> = (0..len as u32).collect();
         let state = SequenceState::new(&prompt, SamplingParams::greedy(8), &[]);
         s.add(id, prompt, state, ());
+    }
+
+    #[test]
+    fn a_scored_prompt_takes_only_the_logits_rows_left_and_skips_the_prefix_cache() {
+        // Room for 3 logits rows a step; one decode runs beside the scored prompt.
+        let mut s = sched(64, 3, 64);
+        add(&mut s, 1, 8);
+        let plan = s.schedule();
+        s.complete(&plan);
+        s.running_mut(0).tokens.push(99);
+        let prompt: Vec<u32> = (0..8).collect();
+        let scored = SamplingParams {
+            prompt_logprobs: Some(1),
+            ..SamplingParams::greedy(8)
+        };
+        let state = SequenceState::new(&prompt, scored, &[]);
+        s.add(2, prompt, state, ());
+        // Its first 4 tokens are in the cache (sequence 1's first block), yet all are computed.
+        let lens: Vec<(usize, usize)> = s.schedule().iter().map(|p| (p.start, p.len)).collect();
+        assert_eq!(lens, vec![(8, 1), (0, 2)]);
+        assert_eq!(s.running()[1].cached_prompt_tokens, 0);
     }
 
     #[test]

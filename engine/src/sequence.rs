@@ -39,6 +39,19 @@ pub struct TokenOutput {
     pub top: Vec<(u32, f32)>,
 }
 
+impl TokenOutput {
+    /// Token `id` as scored by one row of raw logits: its log-probability and the `k` most
+    /// likely tokens (a prompt token's entry for `prompt_logprobs`).
+    pub fn scored(id: u32, logits: &[f32], k: usize) -> Self {
+        let lp = log_softmax(logits);
+        TokenOutput {
+            id,
+            logprob: Some(lp.get(id as usize).copied().unwrap_or(f32::NEG_INFINITY)),
+            top: top_logprobs(&lp, k),
+        }
+    }
+}
+
 /// What one sampling step produced.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Step {
@@ -80,6 +93,11 @@ impl SequenceState {
             emitted: 0,
             finish: None,
         }
+    }
+
+    /// The request's sampling parameters.
+    pub fn params(&self) -> &SamplingParams {
+        self.sampler.params()
     }
 
     /// Samples the next token from `logits` (modified in place) and advances the text.

@@ -9,8 +9,11 @@ use std::time::{Duration, Instant};
 use candle_core::Device;
 use ferrite_engine::engine::{EngineConfig, EngineHandle, Event};
 use ferrite_engine::generate::generate;
+use ferrite_engine::kv::cache::SingleSequence;
+use ferrite_engine::model::llama::{log_softmax, Batch, KvDtype, SeqSlice};
 use ferrite_engine::model::{load, LoadedModel};
 use ferrite_engine::sampling::SamplingParams;
+use ferrite_engine::sequence::TokenOutput;
 
 const TEXT: &str =
     "The quick brown fox jumps over the lazy dog. In the beginning the universe was \
@@ -313,5 +316,106 @@ fn kv_waste_is_measured_over_the_whole_peak_not_just_its_first_step() {
     assert!(
         (st.filled_at_peak as f64) < mean && mean <= 32.0,
         "the second block fills up while it is held: {st:?}"
+    );
+}
+
+/// Each prompt token after the first with its log-probability and best alternative, from
+/// one forward pass over the whole prompt: what scoring the prompt must give.
+fn reference_scores(m: &LoadedModel, prompt: &[u32]) -> Vec<(u32, f32, u32)> {
+    let mut cache = SingleSequence::new(&m.model, KvDtype::Auto);
+    let positions: Vec<usize> = (0..prompt.len()).collect();
+    let seqs = [SeqSlice {
+        start: 0,
+        len: prompt.len(),
+        cache_slot: 0,
+    }];
+    let batch = Batch {
+        tokens: prompt,
+        positions: &positions,
+        seqs: &seqs,
+    };
+    let rows = m
+        .model
+        .forward_all(&batch, &mut cache)
+        .expect("forward")
+        .to_vec2::<f32>()
+        .expect("rows");
+    rows.iter()
+        .zip(&prompt[1..])
+        .map(|(row, &next)| {
+            let lp = log_softmax(row);
+            let best = (0..lp.len()).max_by(|&a, &b| lp[a].total_cmp(&lp[b]).then(b.cmp(&a)));
+            (next, lp[next as usize], best.expect("a vocabulary") as u32)
+        })
+        .collect()
+}
+
+fn as_scores(scores: &[TokenOutput]) -> Vec<(u32, f32, u32)> {
+    scores
+        .iter()
+        .map(|t| (t.id, t.logprob.expect("scored"), t.top[0].0))
+        .collect()
+}
+
+#[test]
+fn a_scored_prompt_gets_one_forward_pass_scores_chunked_batched_or_after_a_cache_hit() {
+    let m = model();
+    let ids = m.tokenizer.encode(TEXT, false).expect("encodes");
+    let prompt: Vec<u32> = ids[..70].to_vec();
+    let want = reference_scores(&m, &prompt);
+    let scored = SamplingParams {
+        prompt_logprobs: Some(1),
+        ignore_eos: true,
+        ..SamplingParams::greedy(2)
+    };
+    // Prefix caching on, the prompt's blocks already cached: scoring still computes them.
+    let engine = start(small(64, EngineConfig::default()));
+    batched(&engine, std::slice::from_ref(&prompt), 2);
+    let got = engine
+        .submit(prompt.clone(), scored.clone())
+        .expect("accepted")
+        .collect_scored_blocking()
+        .expect("completes");
+    assert_eq!(as_scores(&got.prompt.expect("scores sent")), want);
+    assert_eq!(got.finish.cached_tokens, 0);
+    assert_eq!(got.tokens.len(), 2);
+    wait_idle(&engine);
+    // Chunked over many steps beside other requests, with room for only a few logits rows
+    // a step: the same scores, and the other requests their own tokens.
+    let engine = start(small(
+        64,
+        EngineConfig {
+            max_num_batched_tokens: 16,
+            max_num_seqs: 4,
+            ..EngineConfig::default()
+        },
+    ));
+    let others = prompts(&m, 3);
+    let want_others: Vec<Vec<u32>> = others.iter().map(|p| alone(&m, p, 6)).collect();
+    let stream = engine.submit(prompt, scored).expect("accepted");
+    assert_eq!(batched(&engine, &others, 6), want_others);
+    let got = stream.collect_scored_blocking().expect("completes");
+    assert_eq!(as_scores(&got.prompt.expect("scores sent")), want);
+    wait_idle(&engine);
+}
+
+#[test]
+fn a_one_token_prompt_has_nothing_to_score_and_other_requests_get_no_scores() {
+    let engine = start(small(16, EngineConfig::default()));
+    let scored = SamplingParams {
+        prompt_logprobs: Some(0),
+        ..SamplingParams::greedy(1)
+    };
+    let collect = |prompt: Vec<u32>, params| {
+        engine
+            .submit(prompt, params)
+            .expect("accepted")
+            .collect_scored_blocking()
+            .expect("completes")
+    };
+    assert_eq!(collect(vec![42], scored).prompt, Some(Vec::new()));
+    assert_eq!(
+        collect(vec![42, 43], SamplingParams::greedy(1)).prompt,
+        None
     );
 }

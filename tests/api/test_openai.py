@@ -120,6 +120,26 @@ def test_completion_logprobs(client):
     assert all(l <= 0 for l in lp.token_logprobs)
 
 
+def test_echo_with_logprobs_scores_the_prompt_as_evaluation_harnesses_ask(client):
+    # lm-evaluation-harness's loglikelihood request: the prompt's tokens come back scored.
+    prompt = "The capital of France is Paris"
+    r = client.completions.create(model=NAME, prompt=prompt, echo=True, logprobs=1, max_tokens=1, temperature=0)
+    lp, usage = r.choices[0].logprobs, r.usage
+    assert len(lp.tokens) == len(lp.token_logprobs) == usage.prompt_tokens + 1
+    assert "".join(lp.tokens) == r.choices[0].text and r.choices[0].text.startswith(prompt)
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert all(l <= 0 for l in lp.token_logprobs[1:]) and all(len(t) == 1 for t in lp.top_logprobs[1:])
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(len(lp.tokens))]
+    # " Paris" after "The capital of France is" is the model's own greedy choice there.
+    paris = lp.tokens.index(" Paris")
+    assert lp.top_logprobs[paris] == {" Paris": lp.token_logprobs[paris]}
+    # Streamed, the echoed prompt's chunk carries the same scores.
+    chunks = list(client.completions.create(model=NAME, prompt=prompt, echo=True, logprobs=1, max_tokens=1,
+                                            temperature=0, stream=True))
+    first = chunks[0].choices[0]
+    assert first.text == prompt and first.logprobs.token_logprobs == lp.token_logprobs[:-1]
+
+
 def test_chat_logprobs(client):
     r = client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "Hi!"}],
                                        logprobs=True, top_logprobs=3, **GREEDY)

@@ -140,15 +140,18 @@ impl Tracker {
 
 /// A finished choice.
 struct Choice {
+    /// The scored prompt tokens after the first, if asked for.
+    prompt: Option<Vec<TokenOutput>>,
     tokens: Vec<TokenOutput>,
     text: String,
     finish: Finish,
 }
 
 async fn collect(mut stream: RequestStream, mut tracker: Tracker) -> Result<Choice, ApiError> {
-    let (mut tokens, mut text) = (Vec::new(), String::new());
+    let (mut tokens, mut text, mut prompt) = (Vec::new(), String::new(), None);
     while let Some(ev) = stream.next().await {
         match ev {
+            Event::PromptLogprobs(scores) => prompt = Some(scores),
             Event::Token { token, text: t } => {
                 tracker.token();
                 tokens.push(token);
@@ -157,6 +160,7 @@ async fn collect(mut stream: RequestStream, mut tracker: Tracker) -> Result<Choi
             Event::Finished(finish) => {
                 tracker.finish(&finish);
                 return Ok(Choice {
+                    prompt,
                     tokens,
                     text,
                     finish,
@@ -202,7 +206,7 @@ fn logprobs_json(ready: &Ready, kind: Kind, tokens: &[TokenOutput], offset: usiz
                 "tokens": tokens.iter().map(|t| text(t.id)).collect::<Vec<_>>(),
                 "token_logprobs": tokens.iter().map(|t| t.logprob).collect::<Vec<_>>(),
                 "top_logprobs": tokens.iter().map(|t| {
-                    t.top.iter().map(|&(id, lp)| (text(id), json!(lp))).collect::<serde_json::Map<_, _>>()
+                    t.logprob.map(|_| t.top.iter().map(|&(id, lp)| (text(id), json!(lp))).collect::<serde_json::Map<_, _>>())
                 }).collect::<Vec<_>>(),
                 "text_offset": offsets,
             })
@@ -221,6 +225,17 @@ fn logprobs_json(ready: &Ready, kind: Kind, tokens: &[TokenOutput], offset: usiz
     }
 }
 
+/// The prompt's tokens as log-probability entries: the first unscored (nothing precedes
+/// it), then the engine's scores of the rest.
+fn prompt_entries(prompt: &[u32], scores: Vec<TokenOutput>) -> Vec<TokenOutput> {
+    let first = prompt.first().map(|&id| TokenOutput {
+        id,
+        logprob: None,
+        top: Vec::new(),
+    });
+    first.into_iter().chain(scores).collect()
+}
+
 /// Everything a response needs besides the streams.
 struct Plan {
     kind: Kind,
@@ -232,6 +247,8 @@ struct Plan {
     /// Text to prepend to each prompt's choices (`echo`).
     echo: Vec<String>,
     logprobs: bool,
+    /// The prompt is scored (`echo` with `logprobs`): its tokens lead the log-probabilities.
+    score_prompt: bool,
     include_usage: bool,
 }
 
@@ -272,9 +289,15 @@ async fn respond(
             .get(job.prompt_index)
             .map(String::as_str)
             .unwrap_or("");
-        let logprobs = plan
-            .logprobs
-            .then(|| logprobs_json(&ready, plan.kind, &c.tokens, echo.len()));
+        let logprobs = plan.logprobs.then(|| match c.prompt {
+            // With `echo`, the prompt's tokens lead, scored, as in OpenAI's legacy API.
+            Some(scores) => {
+                let mut all = prompt_entries(&job.prompt, scores);
+                all.extend(c.tokens);
+                logprobs_json(&ready, plan.kind, &all, 0)
+            }
+            None => logprobs_json(&ready, plan.kind, &c.tokens, echo.len()),
+        });
         let index = out.len();
         out.push(match plan.kind {
             Kind::Completion => json!({
@@ -349,6 +372,8 @@ fn sse(
             Kind::Chat => Some(
                 json!({"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": null, "finish_reason": null}),
             ),
+            // A scored prompt is echoed when its scores arrive.
+            Kind::Completion if plan.score_prompt => None,
             Kind::Completion => plan
                 .echo
                 .get(job.prompt_index)
@@ -386,6 +411,14 @@ fn sse(
                     return futures::future::ready(Some(lost.into_iter().collect()));
                 };
                 let out = match ev {
+                    Event::PromptLogprobs(scores) => {
+                        let job = &plan.jobs[i];
+                        let entries = prompt_entries(&job.prompt, scores);
+                        let logprobs = logprobs_json(&ready, plan.kind, &entries, 0);
+                        acc.offsets[i] = entries.iter().map(|t| ready.tokenizer.token_text(t.id).len()).sum();
+                        let echo = plan.echo.get(job.prompt_index).map_or("", String::as_str);
+                        vec![envelope(json!([{"index": i, "text": echo, "logprobs": logprobs, "finish_reason": null}]))]
+                    }
                     Event::Token { token, text } => {
                         acc.trackers[i].token();
                         let logprobs = plan.logprobs.then(|| logprobs_json(&ready, plan.kind, std::slice::from_ref(&token), acc.offsets[i]));
@@ -442,9 +475,6 @@ pub async fn completions(
     state.check_model(&req.model)?;
     let n = sampling.n()?;
     let echo = req.echo.unwrap_or(false);
-    if echo && req.logprobs.is_some() {
-        return Err(ApiError::bad_request("`echo` together with `logprobs` is not supported (prompt log-probabilities are not computed)", Some("echo")));
-    }
     let tk = &ready.tokenizer;
     let prompts: Vec<Vec<u32>> = match &req.prompt {
         Prompt::Text(t) => vec![tk.encode(t, true)?],
@@ -469,7 +499,11 @@ pub async fn completions(
     } else {
         Vec::new()
     };
-    let params = sampling.params(req.max_tokens.unwrap_or(16), req.logprobs)?;
+    let mut params = sampling.params(req.max_tokens.unwrap_or(16), req.logprobs)?;
+    let score_prompt = echo && req.logprobs.is_some();
+    if score_prompt {
+        params.prompt_logprobs = req.logprobs;
+    }
     let (stream, include_usage) = sampling.streaming()?;
     let plan = Plan {
         kind: Kind::Completion,
@@ -480,6 +514,7 @@ pub async fn completions(
         prompts: prompts.iter().map(Vec::len).collect(),
         echo: echo_text,
         logprobs: req.logprobs.is_some(),
+        score_prompt,
         include_usage,
     };
     respond(Arc::clone(&state), ready, plan, params, stream).await
@@ -526,6 +561,7 @@ pub async fn chat(State(state): State<Arc<AppState>>, body: Bytes) -> Result<Res
         prompts: vec![prompt.len()],
         echo: Vec::new(),
         logprobs: top.is_some(),
+        score_prompt: false,
         include_usage,
     };
     respond(Arc::clone(&state), ready, plan, params, stream).await

@@ -142,6 +142,7 @@ impl Sampling {
             stop_token_ids: self.stop_token_ids.clone().unwrap_or_default(),
             ignore_eos: self.ignore_eos.unwrap_or(false),
             logprobs,
+            prompt_logprobs: None,
             logit_bias,
         };
         p.validate()?;

@@ -8,6 +8,7 @@ use clap::{Parser, Subcommand};
 use ferrite_bench::client::tokenize;
 use ferrite_bench::report::{ratios, table, Results, Run};
 use ferrite_bench::run::{run_level, Load, Target};
+use ferrite_bench::stats::Summary;
 use ferrite_bench::workload::{requests, Shape, TEXT};
 use ferrite_bench::{plot, Error, Result};
 use indicatif::{ProgressBar, ProgressStyle};
@@ -54,6 +55,11 @@ struct RunArgs {
     /// Seed of prompt offsets, mixed lengths and arrival times.
     #[arg(long, default_value_t = 0)]
     seed: u64,
+    /// Runs of every level, made round by round (each round runs every level once, so the
+    /// slow and fast phases of a shared machine fall on all levels alike); the median run
+    /// is kept, with the range of output tokens/s.
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..))]
+    repeat: u32,
     /// Results file the runs are added to.
     #[arg(long, default_value = "bench/results/results.json")]
     results: PathBuf,
@@ -139,48 +145,70 @@ async fn run(args: RunArgs) -> Result<()> {
         .collect();
     levels.extend(args.request_rate.iter().map(|&r| Load::Rate(r)));
     let mut results = Results::load(&args.results)?;
-    let mut measured = Vec::new();
-    for load in levels {
-        let n = args.requests.unwrap_or(match load {
-            Load::Concurrency(c) => (2 * c).max(8),
-            Load::Rate(_) => 32,
-        });
-        let specs = requests(args.workload, &corpus, n, args.seed);
-        let bar = if args.no_progress {
-            ProgressBar::hidden()
-        } else {
-            ProgressBar::new(n as u64)
-        };
-        bar.set_style(
-            ProgressStyle::with_template("{prefix:>28} [{bar:30}] {pos}/{len} requests {elapsed}")
-                .map_err(|e| Error::Invalid(e.to_string()))?
-                .progress_chars("=> "),
-        );
-        bar.set_prefix(format!("{} {}", args.label, load));
-        let (summary, first_error) = run_level(&http, &target, load, specs, args.seed, &bar).await;
-        bar.finish_and_clear();
-        if let Some(e) = first_error {
-            eprintln!(
-                "{} {load}: {} request(s) failed; first: {e}",
-                args.label, summary.errors
-            );
+    let mut runs: Vec<Vec<Summary>> = vec![Vec::new(); levels.len()];
+    for round in 1..=args.repeat {
+        for (load, runs) in levels.iter().zip(&mut runs) {
+            let summary = run_once(&args, &http, &target, &corpus, *load, round).await?;
+            runs.push(summary);
         }
-        let run = Run {
-            label: args.label.clone(),
-            workload: args.workload.to_string(),
-            load,
-            summary,
+    }
+    let mut measured = Vec::new();
+    for (load, runs) in levels.into_iter().zip(runs) {
+        let workload = args.workload.to_string();
+        let Some(run) = Run::median(&args.label, &workload, load, runs) else {
+            continue;
         };
-        eprintln!(
-            "{} {load}: {:.1} output tok/s, TTFT p90 {:.2} s",
-            args.label, run.summary.output_tokens_per_s, run.summary.ttft_s[1]
-        );
         results.upsert(run.clone());
-        results.save(&args.results)?;
         measured.push(run);
     }
+    results.save(&args.results)?;
     println!("{}", table(&measured.iter().collect::<Vec<_>>()));
     Ok(())
+}
+
+/// One run of one level: `round` of `args.repeat`, reported on stderr.
+async fn run_once(
+    args: &RunArgs,
+    http: &reqwest::Client,
+    target: &Target,
+    corpus: &[u32],
+    load: Load,
+    round: u32,
+) -> Result<Summary> {
+    let n = args.requests.unwrap_or(match load {
+        Load::Concurrency(c) => (2 * c).max(8),
+        Load::Rate(_) => 32,
+    });
+    let specs = requests(args.workload, corpus, n, args.seed);
+    let bar = if args.no_progress {
+        ProgressBar::hidden()
+    } else {
+        ProgressBar::new(n as u64)
+    };
+    bar.set_style(
+        ProgressStyle::with_template("{prefix:>34} [{bar:30}] {pos}/{len} requests {elapsed}")
+            .map_err(|e| Error::Invalid(e.to_string()))?
+            .progress_chars("=> "),
+    );
+    let of = if args.repeat > 1 {
+        format!(" (run {round}/{})", args.repeat)
+    } else {
+        String::new()
+    };
+    bar.set_prefix(format!("{} {load}{of}", args.label));
+    let (summary, first_error) = run_level(http, target, load, specs, args.seed, &bar).await;
+    bar.finish_and_clear();
+    if let Some(e) = first_error {
+        eprintln!(
+            "{} {load}{of}: {} request(s) failed; first: {e}",
+            args.label, summary.errors
+        );
+    }
+    eprintln!(
+        "{} {load}{of}: {:.1} output tok/s, TTFT p90 {:.2} s",
+        args.label, summary.output_tokens_per_s, summary.ttft_s[1]
+    );
+    Ok(summary)
 }
 
 fn report(args: ReportArgs) -> Result<()> {

@@ -54,8 +54,53 @@ pub struct Run {
     pub workload: String,
     /// The offered load.
     pub load: Load,
-    /// What it measured.
+    /// What it measured (with several runs, the median one by output tokens/s).
     pub summary: Summary,
+    /// With several runs of the level, their range; absent for a single run.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub spread: Option<Spread>,
+}
+
+/// How the runs of one level spread, by output tokens/s.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct Spread {
+    /// Runs made.
+    pub runs: usize,
+    /// The slowest run's output tokens/s.
+    pub low: f64,
+    /// The fastest run's output tokens/s.
+    pub high: f64,
+}
+
+impl Run {
+    /// One level's runs as one: the median run (of an even count, the lower of the middle
+    /// two) and, for more than one, their range; `None` for no runs.
+    pub fn median(label: &str, workload: &str, load: Load, runs: Vec<Summary>) -> Option<Self> {
+        let mut runs = runs;
+        runs.sort_by(|a, b| a.output_tokens_per_s.total_cmp(&b.output_tokens_per_s));
+        let spread = (runs.len() > 1).then(|| Spread {
+            runs: runs.len(),
+            low: runs[0].output_tokens_per_s,
+            high: runs[runs.len() - 1].output_tokens_per_s,
+        });
+        let summary = runs.get(runs.len().saturating_sub(1) / 2)?.clone();
+        Some(Run {
+            label: label.into(),
+            workload: workload.into(),
+            load,
+            summary,
+            spread,
+        })
+    }
+
+    /// Output tokens/s as a table shows it: with the range of several runs.
+    fn tokens_per_s(&self) -> String {
+        let v = self.summary.output_tokens_per_s;
+        match self.spread {
+            Some(s) => format!("{v:.1} ({:.1}–{:.1})", s.low, s.high),
+            None => format!("{v:.1}"),
+        }
+    }
 }
 
 /// Everything measured, as stored in the results file.
@@ -131,7 +176,8 @@ fn secs(v: f64) -> String {
     }
 }
 
-/// A markdown table of `runs`, one row per run.
+/// A markdown table of `runs`, one row per run; a level run several times shows its median
+/// run with the range of output tokens/s in brackets.
 pub fn table(runs: &[&Run]) -> String {
     let mut out = String::from(
         "| server | workload | load | req/s | output tok/s | TTFT p50 | TTFT p90 | TTFT p99 | ITL p50 | ITL p90 | e2e p50 | e2e p90 | errors |\n\
@@ -140,12 +186,12 @@ pub fn table(runs: &[&Run]) -> String {
     for r in runs {
         let s = &r.summary;
         out.push_str(&format!(
-            "| {} | {} | {} | {:.2} | {:.1} | {} | {} | {} | {} | {} | {} | {} | {} |\n",
+            "| {} | {} | {} | {:.2} | {} | {} | {} | {} | {} | {} | {} | {} | {} |\n",
             r.label,
             r.workload,
             r.load,
             s.requests_per_s,
-            s.output_tokens_per_s,
+            r.tokens_per_s(),
             secs(s.ttft_s[0]),
             secs(s.ttft_s[1]),
             secs(s.ttft_s[2]),
@@ -180,11 +226,11 @@ pub fn ratios(results: &Results, ours: &str, peer: &str) -> Option<String> {
             }
         };
         rows.push_str(&format!(
-            "| {} | {} | {:.1} | {:.1} | **{}** | {} | {} | **{}** |\n",
+            "| {} | {} | {} | {} | **{}** | {} | {} | **{}** |\n",
             a.workload,
             a.load,
-            x.output_tokens_per_s,
-            y.output_tokens_per_s,
+            a.tokens_per_s(),
+            b.tokens_per_s(),
             ratio(x.output_tokens_per_s, y.output_tokens_per_s),
             secs(x.ttft_s[1]),
             secs(y.ttft_s[1]),
@@ -220,7 +266,35 @@ mod tests {
                 itl_s: [0.01, 0.02],
                 e2e_s: [1.0, 1.0],
             },
+            spread: None,
         }
+    }
+
+    #[test]
+    fn several_runs_keep_the_median_and_show_their_range() {
+        let summaries: Vec<Summary> = [120.0, 100.0, 90.0, 110.0]
+            .iter()
+            .map(|&v| run("ferrite", Load::Concurrency(4), v, 0.5).summary)
+            .collect();
+        let r =
+            Run::median("ferrite", "fixed:128:128", Load::Concurrency(4), summaries).expect("runs");
+        assert_eq!(r.summary.output_tokens_per_s, 100.0);
+        assert_eq!(
+            r.spread,
+            Some(Spread {
+                runs: 4,
+                low: 90.0,
+                high: 120.0
+            })
+        );
+        let md = table(&[&r]);
+        assert!(
+            md.contains("| 4.00 | 100.0 (90.0–120.0) | 500 ms |"),
+            "{md}"
+        );
+        let one = Run::median("ferrite", "mixed", Load::Rate(1.0), vec![r.summary.clone()]);
+        assert_eq!(one.and_then(|o| o.spread), None);
+        assert!(Run::median("ferrite", "mixed", Load::Rate(1.0), Vec::new()).is_none());
     }
 
     #[test]

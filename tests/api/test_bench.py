@@ -48,6 +48,22 @@ def test_closed_and_open_loop_against_the_engine(server, tmp_path):
     assert (tmp_path / "report.md").read_text() == report
 
 
+def test_repeated_levels_keep_the_median_run_and_its_range(server, tmp_path):
+    results = tmp_path / "results.json"
+    out = bench("run", "--url", server.url, "--model", NAME, "--results", str(results),
+                "--workload", "fixed:16:4", "--no-progress", "--concurrency", "1,2", "--requests", "4",
+                "--repeat", "3")
+    # Round by round: every level once per round.
+    order = [l.split(":")[0] for l in out.stderr.splitlines() if "output tok/s" in l]
+    assert order == [f"ferrite concurrency {c} (run {r}/3)" for r in (1, 2, 3) for c in (1, 2)]
+    runs = json.loads(results.read_text())["runs"]
+    assert len(runs) == 2
+    for r in runs:
+        spread, median = r["spread"], r["summary"]["output_tokens_per_s"]
+        assert spread["runs"] == 3 and spread["low"] <= median <= spread["high"]
+        assert f"{median:.1f} ({spread['low']:.1f}–{spread['high']:.1f})" in out.stdout
+
+
 def test_bad_flags_are_refused_with_what_is_allowed(server):
     out = subprocess.run([BENCH, "run", "--url", server.url, "--workload", "chat"],
                          capture_output=True, text=True)
@@ -55,3 +71,6 @@ def test_bad_flags_are_refused_with_what_is_allowed(server):
     assert "fixed:<prompt tokens>:<output tokens>" in out.stderr
     out = subprocess.run([BENCH, "run", "--url", server.url], capture_output=True, text=True)
     assert out.returncode != 0 and "give --concurrency" in out.stderr
+    out = subprocess.run([BENCH, "run", "--url", server.url, "--concurrency", "1", "--repeat", "0"],
+                         capture_output=True, text=True)
+    assert out.returncode != 0 and "--repeat" in out.stderr

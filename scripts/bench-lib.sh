@@ -6,6 +6,9 @@ RESULTS="${RESULTS:-$ROOT/bench/results/results.json}"
 BENCH="$ROOT/target/release/ferrite-bench"
 THREADS="${THREADS:-2}"
 WORKLOAD="fixed:128:128"
+# Runs of each closed-loop level of the fixed workload (the throughput figures); the median is
+# reported with the range. Open-loop rates and the mixed workload run once.
+REPEAT="${REPEAT:-3}"
 SERVER_PID=""
 
 free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }

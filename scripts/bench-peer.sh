@@ -42,7 +42,7 @@ for c in 1 4 16 64; do
     -t "$THREADS" -tb "$THREADS" -np "$c" --cont-batching -c $((c * 2048)) --no-warmup
   # Ferrite runs with prefix caching off; llama-server's prompt cache goes off per request.
   LLAMA=(--url "$URL" --label llama.cpp --results "$RESULTS" --extra-body '{"cache_prompt": false}')
-  "$BENCH" run "${LLAMA[@]}" --workload "$WORKLOAD" --concurrency "$c"
+  "$BENCH" run "${LLAMA[@]}" --workload "$WORKLOAD" --concurrency "$c" --repeat "$REPEAT"
   if [ "$c" = 16 ]; then
     "$BENCH" run "${LLAMA[@]}" --workload mixed --concurrency 16
     "$BENCH" run "${LLAMA[@]}" --workload "$WORKLOAD" --request-rate 0.25,0.5,1 --requests 16

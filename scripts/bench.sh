@@ -2,7 +2,8 @@
 # make bench, over HTTP: Ferrite serving the default model, measured by ferrite-bench at
 # concurrency 1, 4, 16 and 64 (128-token prompts, 128 output tokens), at Poisson request
 # rates, on the mixed chat-like workload, and with --max-num-seqs 1 (no batching: the naive
-# baseline). Results go to bench/results/results.json; the report and plots next to it.
+# baseline); closed-loop levels of the fixed workload run $REPEAT times (median and range).
+# Results go to bench/results/results.json; the report and plots next to it.
 set -euo pipefail
 source "$(dirname "$0")/bench-lib.sh"
 PORT=$(free_port); URL="http://127.0.0.1:$PORT"
@@ -12,13 +13,13 @@ SERVE=("$ENGINE" serve --model "$MODEL" --served-model-name smollm2 --host 127.0
 LOGS="$ROOT/target/bench"; mkdir -p "$LOGS"
 
 start_server "$LOGS/ferrite.log" "${SERVE[@]}" --max-num-seqs 64
-"$BENCH" run --url "$URL" --label ferrite --results "$RESULTS" --workload "$WORKLOAD" --concurrency 1,4,16,64
+"$BENCH" run --url "$URL" --label ferrite --results "$RESULTS" --workload "$WORKLOAD" --concurrency 1,4,16,64 --repeat "$REPEAT"
 "$BENCH" run --url "$URL" --label ferrite --results "$RESULTS" --workload "$WORKLOAD" --request-rate 0.25,0.5,1 --requests 16
 "$BENCH" run --url "$URL" --label ferrite --results "$RESULTS" --workload mixed --concurrency 16
 stop_server
 
 start_server "$LOGS/ferrite-naive.log" "${SERVE[@]}" --max-num-seqs 1
-"$BENCH" run --url "$URL" --label "ferrite --max-num-seqs 1" --results "$RESULTS" --workload "$WORKLOAD" --concurrency 16
+"$BENCH" run --url "$URL" --label "ferrite --max-num-seqs 1" --results "$RESULTS" --workload "$WORKLOAD" --concurrency 16 --repeat "$REPEAT"
 stop_server
 
 "$BENCH" report --results "$RESULTS" --markdown "$ROOT/bench/results/README.md" --plot "$ROOT/bench/results"

@@ -400,6 +400,54 @@ fn a_scored_prompt_gets_one_forward_pass_scores_chunked_batched_or_after_a_cache
 }
 
 #[test]
+fn a_scored_prompt_keeps_its_scores_through_preemptions() {
+    let m = model();
+    let ids = m.tokenizer.encode(TEXT, false).expect("encodes");
+    let prompt: Vec<u32> = ids[..70].to_vec();
+    let want = reference_scores(&m, &prompt);
+    let others = prompts(&m, 8);
+    let want_others: Vec<Vec<u32>> = others.iter().map(|p| alone(&m, p, 24)).collect();
+    // 10 blocks (160 tokens), prompts chunked 16 tokens a step: the scored prompt, admitted
+    // last while the others decode and grow, is the newest sequence, the one preempted.
+    let engine = start(small(
+        10,
+        EngineConfig {
+            max_model_len: Some(160),
+            max_num_batched_tokens: 16,
+            ..EngineConfig::default()
+        },
+    ));
+    let params = SamplingParams {
+        ignore_eos: true,
+        ..SamplingParams::greedy(24)
+    };
+    let streams: Vec<_> = others
+        .iter()
+        .map(|p| engine.submit(p.clone(), params.clone()).expect("accepted"))
+        .collect();
+    let scored = SamplingParams {
+        prompt_logprobs: Some(1),
+        ..params
+    };
+    let got = engine.submit(prompt, scored).expect("accepted");
+    let tokens: Vec<Vec<u32>> = streams
+        .into_iter()
+        .map(|s| {
+            let c = s.collect_blocking().expect("completes").0;
+            c.iter().map(|t| t.id).collect()
+        })
+        .collect();
+    assert_eq!(tokens, want_others);
+    let got = got.collect_scored_blocking().expect("completes");
+    assert_eq!(as_scores(&got.prompt.expect("scores sent")), want);
+    wait_idle(&engine);
+    assert!(
+        engine.stats().preemptions > 0,
+        "the cache was too small not to preempt"
+    );
+}
+
+#[test]
 fn a_one_token_prompt_has_nothing_to_score_and_other_requests_get_no_scores() {
     let engine = start(small(16, EngineConfig::default()));
     let scored = SamplingParams {

@@ -34,11 +34,14 @@ unsafe impl Sync for HugePages {}
 
 impl HugePages {
     /// One arena holding `parts` one after another (each start a multiple of 64 bytes), and
-    /// where each part lies in it.
-    pub fn pack(parts: &[&[u8]]) -> (Self, Vec<Range<usize>>) {
+    /// where each part lies in it. Each part is dropped once copied, and the memory freed so
+    /// is handed back to the OS as the copy goes ([`release_freed`]): parts that own their
+    /// bytes (a model's weights) would otherwise stay resident beside the arena, the
+    /// allocator keeping them for reuse.
+    pub fn pack<P: Deref<Target = [u8]>>(parts: Vec<P>) -> (Self, Vec<Range<usize>>) {
         let mut ranges = Vec::with_capacity(parts.len());
         let mut end = 0usize;
-        for p in parts {
+        for p in &parts {
             let start = end.next_multiple_of(PART_ALIGN);
             end = start + p.len();
             ranges.push(start..end);
@@ -56,8 +59,8 @@ impl HugePages {
         // Advised before the first write, so the first touch of each 2 MiB faults in a
         // huge page rather than small pages for the kernel to merge some day.
         advise_huge_pages(ptr, size);
-        let mut at = 0;
-        for (p, r) in parts.iter().zip(&ranges) {
+        let (mut at, mut unreleased) = (0, 0);
+        for (p, r) in parts.into_iter().zip(&ranges) {
             // SAFETY: `at <= r.start` and `r.end <= end <= size`: the writes (the padding
             // before the part, zeroed, then the part) stay inside the allocation, whose
             // bytes nothing else can see yet; `p` cannot overlap memory just allocated.
@@ -66,7 +69,14 @@ impl HugePages {
                 std::ptr::copy_nonoverlapping(p.as_ptr(), ptr.as_ptr().add(r.start), p.len());
             }
             at = r.end;
+            unreleased += p.len();
+            drop(p);
+            if unreleased >= RELEASE_EVERY {
+                release_freed();
+                unreleased = 0;
+            }
         }
+        release_freed();
         (
             HugePages {
                 ptr,
@@ -95,6 +105,23 @@ impl Drop for HugePages {
     }
 }
 
+/// Bytes copied into an arena between hand-backs of freed memory: often enough that packing
+/// holds little more than the arena, rarely enough that the allocator's walks cost nothing.
+const RELEASE_EVERY: usize = 16 << 20;
+
+/// Hands memory the allocator holds free back to the OS. glibc keeps freed blocks of all
+/// but the largest sizes in its heap, resident, for reuse; weights copied into an arena are
+/// freed once and never reused.
+#[cfg(all(target_os = "linux", target_env = "gnu"))]
+fn release_freed() {
+    // SAFETY: `malloc_trim` only returns free heap memory to the OS; it touches no live
+    // allocation.
+    let _ = unsafe { libc::malloc_trim(0) };
+}
+
+#[cfg(not(all(target_os = "linux", target_env = "gnu")))]
+fn release_freed() {}
+
 /// Asks Linux to back `len` bytes at `ptr` (aligned to [`HUGE_PAGE`]) with huge pages when
 /// they are first touched; a refusal (an old kernel, THP disabled) leaves small pages.
 #[cfg(target_os = "linux")]
@@ -114,7 +141,7 @@ mod tests {
     #[test]
     fn packed_parts_read_back_as_given_each_on_its_own_cache_line() {
         let parts: [&[u8]; 4] = [&[1, 2, 3], &[], &[4; 100], &[5]];
-        let (arena, ranges) = HugePages::pack(&parts);
+        let (arena, ranges) = HugePages::pack(parts.to_vec());
         for (p, r) in parts.iter().zip(&ranges) {
             assert_eq!(&arena[r.clone()], *p);
             assert_eq!(r.start % PART_ALIGN, 0);
@@ -125,7 +152,7 @@ mod tests {
 
     #[test]
     fn an_empty_arena_is_empty() {
-        let (arena, ranges) = HugePages::pack(&[]);
+        let (arena, ranges) = HugePages::pack(Vec::<Vec<u8>>::new());
         assert!(arena.is_empty() && ranges.is_empty());
     }
 }

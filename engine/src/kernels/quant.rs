@@ -157,8 +157,12 @@ impl QuantMatrix {
     /// step streams every weight, and small pages would make it wait on page walks. Values
     /// and results are unchanged.
     pub fn share_huge_pages(matrices: &mut [&mut QuantMatrix]) {
-        let parts: Vec<&[u8]> = matrices.iter().map(|m| &*m.data).collect();
-        let (arena, ranges) = HugePages::pack(&parts);
+        // Taken out, so each matrix's own bytes are freed once copied.
+        let parts: Vec<Bytes> = matrices
+            .iter_mut()
+            .map(|m| std::mem::replace(&mut m.data, Bytes::Own(Vec::new())))
+            .collect();
+        let (arena, ranges) = HugePages::pack(parts);
         let arena = Arc::new(arena);
         for (m, r) in matrices.iter_mut().zip(ranges) {
             m.data = Bytes::Shared(Arc::clone(&arena), r);

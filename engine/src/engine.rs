@@ -323,7 +323,7 @@ impl EngineHandle {
             &CacheRequest {
                 utilization: config.gpu_memory_utilization,
                 kv_cache_memory: config.kv_cache_memory,
-                weight_bytes: model.model.weight_bytes_per_token() as u64,
+                weight_bytes: model.model.resident_weight_bytes() as u64,
                 activation_bytes: budget::activation_bytes(
                     &c,
                     config.max_num_batched_tokens,

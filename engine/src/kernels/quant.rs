@@ -169,6 +169,38 @@ impl QuantMatrix {
         }
     }
 
+    /// Row `r` decoded to f32 into `out` (`cols` values), as ggml's and candle's
+    /// `dequantize_row` functions decode it (`q · d`, `(q - 8) · d` or `q · d + m`, each
+    /// product rounded before the minimum is added): an embedding lookup.
+    pub fn dequantize_row(&self, r: usize, out: &mut [f32]) {
+        let row = self.weight_row(r);
+        let stride = self.format.block_bytes();
+        for (b, y) in row.chunks_exact(stride).zip(out.chunks_exact_mut(BLOCK)) {
+            let d = f16_at(b, 0);
+            match self.format {
+                WeightFormat::Q8_0 => {
+                    for (y, &q) in y.iter_mut().zip(&b[2..]) {
+                        *y = f32::from(q as i8) * d;
+                    }
+                }
+                WeightFormat::Q4_0 | WeightFormat::Q4_1 => {
+                    let (m, offset, qs) = match self.format {
+                        WeightFormat::Q4_1 => (Some(f16_at(b, 2)), 0, &b[4..]),
+                        _ => (None, 8, &b[2..]),
+                    };
+                    let (low, high) = y.split_at_mut(BLOCK / 2);
+                    for ((lo, hi), &q) in low.iter_mut().zip(high).zip(qs) {
+                        let (x0, x1) = (i16::from(q & 0x0F) - offset, i16::from(q >> 4) - offset);
+                        (*lo, *hi) = (f32::from(x0) * d, f32::from(x1) * d);
+                        if let Some(m) = m {
+                            (*lo, *hi) = (*lo + m, *hi + m);
+                        }
+                    }
+                }
+            }
+        }
+    }
+
     /// Output features (rows of the weight).
     pub fn rows(&self) -> usize {
         self.rows
@@ -1439,6 +1471,36 @@ mod tests {
                     .map(|i| ((i * 11) % 19) as f32 / 19.0 - 0.5)
                     .collect();
                 assert_eq!(a.matmul(&x), b.matmul(&x), "{m} rows");
+            }
+        }
+    }
+
+    #[test]
+    fn rows_decode_as_candle_dequantizes_them() {
+        use candle_core::quantized::{GgmlDType, QTensor};
+        use candle_core::{Device, Tensor};
+        let (rows, cols) = (6, 96);
+        let values: Vec<f32> = (0..rows * cols)
+            .map(|i| ((i * 37) % 101) as f32 / 25.0 - 2.0 + (i % 7) as f32 * 1e-3)
+            .collect();
+        let t = Tensor::from_vec(values, (rows, cols), &Device::Cpu).expect("tensor");
+        for (dtype, format) in [
+            (GgmlDType::Q4_0, WeightFormat::Q4_0),
+            (GgmlDType::Q4_1, WeightFormat::Q4_1),
+            (GgmlDType::Q8_0, WeightFormat::Q8_0),
+        ] {
+            let q = QTensor::quantize(&t, dtype).expect("quantizes");
+            let want = q
+                .dequantize(&Device::Cpu)
+                .and_then(|d| d.to_vec2::<f32>())
+                .expect("dequantizes");
+            let data = q.data().expect("bytes");
+            let m = QuantMatrix::from_gguf(format, rows, cols, &data).expect("sizes");
+            for (r, want) in want.iter().enumerate() {
+                let mut got = vec![0f32; cols];
+                m.dequantize_row(r, &mut got);
+                let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                assert_eq!(bits(&got), bits(want), "{format:?} row {r}");
             }
         }
     }

@@ -138,6 +138,50 @@ impl Fanout {
     }
 }
 
+/// The token embedding table.
+#[derive(Debug, Clone)]
+enum Embedding {
+    /// In one of our quantized formats: rows decoded as they are looked up.
+    Quant(QuantMatrix),
+    /// Any other format, as f32 rows.
+    Dense(Tensor),
+}
+
+impl Embedding {
+    /// The rows of `ids`, one after another.
+    fn rows(&self, ids: &[u32], device: &Device) -> Result<Vec<f32>> {
+        match self {
+            Embedding::Quant(q) => {
+                let h = q.cols();
+                let mut x = buffers::take(ids.len() * h);
+                for (&id, row) in ids.iter().zip(x.chunks_exact_mut(h)) {
+                    if id as usize >= q.rows() {
+                        return Err(Error::InvalidParameter(format!(
+                            "token id {id} is out of range: the vocabulary has {} tokens",
+                            q.rows()
+                        )));
+                    }
+                    q.dequantize_row(id as usize, row);
+                }
+                Ok(x)
+            }
+            Embedding::Dense(t) => {
+                let ids = Tensor::from_slice(ids, ids.len(), device)?;
+                to_f32_vec(&t.index_select(&ids, 0)?)
+            }
+        }
+    }
+
+    /// Bytes it holds of its own (none when it is the tied output projection's matrix).
+    fn own_bytes(&self, tied: bool) -> usize {
+        match self {
+            Embedding::Quant(_) if tied => 0,
+            Embedding::Quant(q) => q.gguf_bytes(),
+            Embedding::Dense(t) => t.elem_count() * t.dtype().size_in_bytes(),
+        }
+    }
+}
+
 #[derive(Debug, Clone)]
 struct Block {
     /// RMSNorm weights before attention and before the MLP.
@@ -155,7 +199,7 @@ struct Block {
 #[derive(Debug, Clone)]
 pub struct Llama {
     config: ModelConfig,
-    embed: Tensor,
+    embed: Embedding,
     blocks: Vec<Block>,
     /// The final RMSNorm's weights.
     norm: Vec<f32>,
@@ -163,6 +207,8 @@ pub struct Llama {
     cos_sin: Vec<Vec<(f32, f32)>>,
     device: Device,
     weight_bytes: usize,
+    /// What the weights occupy in memory: those read every step and an embedding held apart.
+    resident_bytes: usize,
     kv_f16: bool,
 }
 
@@ -207,8 +253,8 @@ impl Llama {
                 down: linear(src, WeightName::Down(l), h, c.intermediate_size)?,
             });
         }
-        let embed = src.embedding(WeightName::Embed, (c.vocab_size, h))?;
-        let head_name = if c.tie_word_embeddings {
+        let tied = c.tie_word_embeddings;
+        let head_name = if tied {
             WeightName::Embed
         } else {
             WeightName::Output
@@ -218,6 +264,18 @@ impl Llama {
             bias: None,
         };
         bytes += lm_head.weight.bytes();
+        // The embedding in one of our formats is looked up from its quantized rows — tied to
+        // the output projection, from that very matrix once it is packed below; otherwise
+        // as f32 rows.
+        let mut embed = match tied {
+            true => None,
+            false => Some(match src.matmul(WeightName::Embed, (c.vocab_size, h))? {
+                Matmul::Quant(q) => Embedding::Quant(q),
+                Matmul::Candle(_) => {
+                    Embedding::Dense(src.embedding(WeightName::Embed, (c.vocab_size, h))?)
+                }
+            }),
+        };
         let mut quant: Vec<&mut QuantMatrix> = Vec::new();
         for b in &mut blocks {
             for fanout in [&mut b.qkv, &mut b.gate_up] {
@@ -232,7 +290,19 @@ impl Llama {
             quant.extend(b.down.weight.quant_mut());
         }
         quant.extend(lm_head.weight.quant_mut());
+        if let Some(Embedding::Quant(q)) = &mut embed {
+            quant.push(q);
+        }
         QuantMatrix::share_huge_pages(&mut quant);
+        let embed = match (embed, &lm_head.weight) {
+            (Some(e), _) => e,
+            // Tied: the packed output projection itself (its bytes are shared, not copied).
+            (None, Matmul::Quant(q)) => Embedding::Quant(q.clone()),
+            (None, Matmul::Candle(_)) => {
+                Embedding::Dense(src.embedding(WeightName::Embed, (c.vocab_size, h))?)
+            }
+        };
+        let resident_bytes = bytes + embed.own_bytes(tied);
         let norm = to_f32_vec(&src.vector(WeightName::Norm, h)?)?;
         let device = src.device().clone();
         let kv_f16 = !src.is_f32();
@@ -246,6 +316,7 @@ impl Llama {
             cos_sin,
             device,
             weight_bytes: bytes,
+            resident_bytes,
             kv_f16,
         })
     }
@@ -263,6 +334,13 @@ impl Llama {
     /// Bytes of matmul weights read for every decoded token (the decode memory traffic).
     pub fn weight_bytes_per_token(&self) -> usize {
         self.weight_bytes
+    }
+
+    /// Bytes the weights occupy in memory: [`Llama::weight_bytes_per_token`] and an
+    /// embedding table not shared with the output projection (what the KV budget leaves
+    /// them).
+    pub fn resident_weight_bytes(&self) -> usize {
+        self.resident_bytes
     }
 
     /// Rotates every head of one token's projection (`[heads * head_dim]`) to position `p`,
@@ -370,9 +448,8 @@ impl Llama {
         let c = &self.config;
         let n = batch.tokens.len();
         check_batch(batch, c.max_position_embeddings)?;
-        let ids = Tensor::from_slice(batch.tokens, n, &self.device)?;
         // The residual stream, `[n, hidden]`: each block's outputs are added in place.
-        let mut x = to_f32_vec(&self.embed.index_select(&ids, 0)?)?;
+        let mut x = self.embed.rows(batch.tokens, &self.device)?;
         let (eps, h, dev) = (c.rms_norm_eps as f32, c.hidden_size, &self.device);
         for (layer, b) in self.blocks.iter().enumerate() {
             // Each intermediate goes back to the buffer pool once read, for the next layer

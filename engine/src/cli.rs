@@ -299,8 +299,9 @@ pub struct BenchArgs {
     /// batching tables run every row this many times, interleaved, and report the median.
     #[arg(long, default_value_t = 3)]
     pub repeat: usize,
-    /// Concurrent request counts for the batching table; empty skips it.
-    #[arg(long, value_delimiter = ',', default_value = "1,4,16,64")]
+    /// Concurrent request counts for the batching tables; `--concurrency` with no value
+    /// skips them.
+    #[arg(long, value_delimiter = ',', num_args = 0.., default_value = "1,4,16,64")]
     pub concurrency: Vec<usize>,
     /// Requests for the naive baseline (one at a time, --max-num-seqs 1); 0 skips it.
     #[arg(long, default_value_t = 16)]

@@ -76,7 +76,10 @@ fn bench_prints_burst_and_steady_tables_with_a_row_per_concurrency() {
 #[test]
 fn concurrency_without_a_value_skips_the_batching_tables() {
     let stdout = bench(&["--concurrency", "--naive-requests", "0"]);
-    assert!(stdout.contains("| single-stream decode (4 tokens) |"), "{stdout}");
+    assert!(
+        stdout.contains("| single-stream decode (4 tokens) |"),
+        "{stdout}"
+    );
     assert!(!stdout.contains("all requests sent at once"), "{stdout}");
     assert!(!stdout.contains("Steady traffic"), "{stdout}");
 }

@@ -15,7 +15,7 @@ use crate::kv::BlockPool;
 use crate::model::llama::{Batch, KvDtype, SeqSlice};
 use crate::model::LoadedModel;
 use crate::sampling::SamplingParams;
-use crate::scheduler::{Scheduler, SchedulerConfig};
+use crate::scheduler::{Scheduled, Scheduler, SchedulerConfig};
 use crate::sequence::{FinishReason, SequenceState, TokenOutput};
 
 /// How the engine sizes its cache and batches.
@@ -155,6 +155,14 @@ struct Sink {
 }
 
 impl Sink {
+    /// The positions of `s` (a sequence's share of the step) whose logits score a prompt
+    /// token (position `p` scores token `p + 1`): none once the scores are sent, or if never
+    /// asked for.
+    fn scored_positions(&self, s: &Scheduled) -> std::ops::Range<usize> {
+        let end = self.prompt_scores.as_ref().map_or(0, Vec::len);
+        s.start.min(end)..(s.start + s.len).min(end)
+    }
+
     fn finish(&self, seq_prompt: usize, seq_len: usize, cached: usize, reason: FinishReason) {
         let queued = self.scheduled.unwrap_or_else(Instant::now) - self.arrived;
         let _ = self.events.send(Event::Finished(Finish {
@@ -575,11 +583,11 @@ impl EngineLoop {
                 cache_slot: slot,
             });
             tables.push(seq.blocks().to_vec());
-            // Prompt tokens to score: position `p`'s logits score token `p + 1`.
-            if seq.sink.prompt_scores.is_some() {
-                let end = (s.start + s.len).min(seq.prompt_len.saturating_sub(1));
-                rows.extend((s.start..end).map(|p| (start + p - s.start) as u32));
-            }
+            rows.extend(
+                seq.sink
+                    .scored_positions(s)
+                    .map(|p| (start + p - s.start) as u32),
+            );
             if s.start + s.len == seq.tokens.len() {
                 rows.push((start + s.len - 1) as u32);
             }
@@ -600,9 +608,10 @@ impl EngineLoop {
         let mut generated = 0u64;
         for s in &plan {
             let seq = self.sched.running_mut(s.index);
+            let positions = seq.sink.scored_positions(s);
             if let Some(scores) = seq.sink.prompt_scores.as_mut() {
                 let k = seq.state.params().prompt_logprobs.unwrap_or(0);
-                for p in s.start..(s.start + s.len).min(scores.len()) {
+                for p in positions {
                     let Some(row) = logits.next() else { break };
                     scores[p] = Some(TokenOutput::scored(seq.tokens[p + 1], row, k));
                 }

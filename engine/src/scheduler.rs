@@ -351,15 +351,13 @@ fn scores_prompt<E>(seq: &Sequence<E>) -> bool {
 /// the others before it take one each and the running batch is at most `max_num_seqs`);
 /// any other takes one row.
 fn chunk<E>(seq: &Sequence<E>, budget: usize, rows: &mut usize) -> usize {
-    let want = (seq.tokens.len() - seq.computed).min(budget);
-    if scores_prompt(seq) && seq.computed + 1 < seq.prompt_len {
-        let want = want.min(*rows);
-        *rows -= want;
-        want
-    } else {
-        *rows = rows.saturating_sub(1);
-        want
+    let mut want = (seq.tokens.len() - seq.computed).min(budget);
+    let scoring = scores_prompt(seq) && seq.computed + 1 < seq.prompt_len;
+    if scoring {
+        want = want.min(*rows);
     }
+    *rows = rows.saturating_sub(if scoring { want } else { 1 });
+    want
 }
 
 #[cfg(test)]

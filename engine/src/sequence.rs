@@ -43,11 +43,21 @@ impl TokenOutput {
     /// Token `id` as scored by one row of raw logits: its log-probability and the `k` most
     /// likely tokens (a prompt token's entry for `prompt_logprobs`).
     pub fn scored(id: u32, logits: &[f32], k: usize) -> Self {
-        let lp = log_softmax(logits);
+        Self::from_logprobs(id, &log_softmax(logits), k)
+    }
+
+    /// Token `id` with its entry of `logprobs` (a whole row's log-softmax) and the `k` most
+    /// likely tokens of that row.
+    fn from_logprobs(id: u32, logprobs: &[f32], k: usize) -> Self {
         TokenOutput {
             id,
-            logprob: Some(lp.get(id as usize).copied().unwrap_or(f32::NEG_INFINITY)),
-            top: top_logprobs(&lp, k),
+            logprob: Some(
+                logprobs
+                    .get(id as usize)
+                    .copied()
+                    .unwrap_or(f32::NEG_INFINITY),
+            ),
+            top: top_logprobs(logprobs, k),
         }
     }
 }
@@ -117,14 +127,14 @@ impl SequenceState {
         let id = self.sampler.sample(logits);
         self.sampler.observe(id);
         self.output.push(id);
-        let (logprob, top) = match raw {
-            Some((raw, k)) => (
-                Some(raw.get(id as usize).copied().unwrap_or(f32::NEG_INFINITY)),
-                top_logprobs(&raw, k),
-            ),
-            None => (None, Vec::new()),
+        let token = match raw {
+            Some((raw, k)) => TokenOutput::from_logprobs(id, &raw, k),
+            None => TokenOutput {
+                id,
+                logprob: None,
+                top: Vec::new(),
+            },
         };
-        let token = TokenOutput { id, logprob, top };
         if self.end_ids.contains(&id) {
             self.finish = Some(FinishReason::Stop);
         } else {

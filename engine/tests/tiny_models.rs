@@ -14,24 +14,8 @@ const IDS: [u32; 9] = [3, 17, 42, 99, 0, 8, 8, 57, 23];
 /// Logits for every token: first as one prefill, then as a 4-token prefill followed by
 /// single-token decode steps (the cached path).
 fn engine_logits(model: &Llama) -> (Vec<Vec<f32>>, Vec<Vec<f32>>) {
-    let mut cache = SingleSequence::new(model, KvDtype::Auto);
+    let all = common::prefill_logits(model, &IDS).expect("forward");
     let positions: Vec<usize> = (0..IDS.len()).collect();
-    let seqs = [SeqSlice {
-        start: 0,
-        len: IDS.len(),
-        cache_slot: 0,
-    }];
-    let batch = Batch {
-        tokens: &IDS,
-        positions: &positions,
-        seqs: &seqs,
-    };
-    let all = model
-        .forward_all(&batch, &mut cache)
-        .expect("forward")
-        .to_vec2::<f32>()
-        .expect("rows");
-
     let mut cache = SingleSequence::new(model, KvDtype::Auto);
     let mut stepped = Vec::new();
     let pre = 4;
@@ -96,6 +80,20 @@ fn check_hf(spec: TinySpec, dtype: DType, tol: f32, what: &str) {
     let (all, stepped) = engine_logits(&model);
     assert_close(&all, &want, tol, &format!("{what} prefill"));
     assert_close(&stepped, &want, tol, &format!("{what} decode"));
+}
+
+#[test]
+fn a_token_id_beyond_the_vocabulary_is_refused_by_name() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let spec = TinySpec::llama();
+    write_tiny_hf(dir.path(), &spec, DType::F32);
+    let model = load_model(dir.path(), &Device::Cpu).expect("loads");
+    let vocab = spec.vocab as u32;
+    let err = common::prefill_logits(&model, &[3, vocab]).expect_err("out of range");
+    assert_eq!(
+        err.to_string(),
+        format!("token id {vocab} is out of range: the vocabulary has {vocab} tokens")
+    );
 }
 
 #[test]

@@ -135,11 +135,4 @@ impl WeightSource for GgufFile {
             .dequantize(&self.device)?
             .to_dtype(DType::F32)?)
     }
-
-    fn embedding(&mut self, name: WeightName, (r, c): (usize, usize)) -> Result<Tensor> {
-        Ok(self
-            .qtensor(name, &[r, c])?
-            .dequantize(&self.device)?
-            .to_dtype(DType::F32)?)
-    }
 }

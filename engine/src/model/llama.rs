@@ -4,6 +4,7 @@
 //! (`[total_tokens, hidden]`, no padding); matmuls see every token at once and attention
 //! runs per sequence through a [`KvCache`], which owns where K/V live between steps.
 
+use candle_core::quantized::QMatMul;
 use candle_core::{DType, Device, Tensor};
 use rayon::prelude::*;
 
@@ -148,19 +149,27 @@ enum Embedding {
 }
 
 impl Embedding {
-    /// The rows of `ids`, one after another.
+    /// The embedding held by `weight` — the output projection's own matrix when the two
+    /// are tied — and whether it is a copy of its own (a format of candle's, dequantized).
+    fn from_weight(weight: &Matmul) -> Result<(Self, bool)> {
+        Ok(match weight {
+            Matmul::Quant(q) => (Embedding::Quant(q.clone()), false),
+            Matmul::Candle(QMatMul::Tensor(t) | QMatMul::TensorF16(t)) => {
+                (Embedding::Dense(t.clone()), false)
+            }
+            Matmul::Candle(QMatMul::QTensor(q)) => {
+                (Embedding::Dense(q.dequantize(&q.device())?), true)
+            }
+        })
+    }
+
+    /// The rows of `ids` (each within the vocabulary), one after another.
     fn rows(&self, ids: &[u32], device: &Device) -> Result<Vec<f32>> {
         match self {
             Embedding::Quant(q) => {
                 let h = q.cols();
                 let mut x = buffers::take(ids.len() * h);
                 for (&id, row) in ids.iter().zip(x.chunks_exact_mut(h)) {
-                    if id as usize >= q.rows() {
-                        return Err(Error::InvalidParameter(format!(
-                            "token id {id} is out of range: the vocabulary has {} tokens",
-                            q.rows()
-                        )));
-                    }
                     q.dequantize_row(id as usize, row);
                 }
                 Ok(x)
@@ -172,10 +181,9 @@ impl Embedding {
         }
     }
 
-    /// Bytes it holds of its own (none when it is the tied output projection's matrix).
-    fn own_bytes(&self, tied: bool) -> usize {
+    /// Bytes its table occupies.
+    fn bytes(&self) -> usize {
         match self {
-            Embedding::Quant(_) if tied => 0,
             Embedding::Quant(q) => q.gguf_bytes(),
             Embedding::Dense(t) => t.elem_count() * t.dtype().size_in_bytes(),
         }
@@ -264,17 +272,11 @@ impl Llama {
             bias: None,
         };
         bytes += lm_head.weight.bytes();
-        // The embedding in one of our formats is looked up from its quantized rows — tied to
-        // the output projection, from that very matrix once it is packed below; otherwise
-        // as f32 rows.
-        let mut embed = match tied {
+        // Untied, the embedding is a matrix of its own, packed with the others below; tied,
+        // it is the output projection's.
+        let mut embed_weight = match tied {
             true => None,
-            false => Some(match src.matmul(WeightName::Embed, (c.vocab_size, h))? {
-                Matmul::Quant(q) => Embedding::Quant(q),
-                Matmul::Candle(_) => {
-                    Embedding::Dense(src.embedding(WeightName::Embed, (c.vocab_size, h))?)
-                }
-            }),
+            false => Some(src.matmul(WeightName::Embed, (c.vocab_size, h))?),
         };
         let mut quant: Vec<&mut QuantMatrix> = Vec::new();
         for b in &mut blocks {
@@ -290,19 +292,12 @@ impl Llama {
             quant.extend(b.down.weight.quant_mut());
         }
         quant.extend(lm_head.weight.quant_mut());
-        if let Some(Embedding::Quant(q)) = &mut embed {
-            quant.push(q);
-        }
+        quant.extend(embed_weight.as_mut().and_then(Matmul::quant_mut));
         QuantMatrix::share_huge_pages(&mut quant);
-        let embed = match (embed, &lm_head.weight) {
-            (Some(e), _) => e,
-            // Tied: the packed output projection itself (its bytes are shared, not copied).
-            (None, Matmul::Quant(q)) => Embedding::Quant(q.clone()),
-            (None, Matmul::Candle(_)) => {
-                Embedding::Dense(src.embedding(WeightName::Embed, (c.vocab_size, h))?)
-            }
-        };
-        let resident_bytes = bytes + embed.own_bytes(tied);
+        let (embed, copied) =
+            Embedding::from_weight(embed_weight.as_ref().unwrap_or(&lm_head.weight))?;
+        // Memory of its own unless it shares the (counted) output projection's.
+        let resident_bytes = bytes + if tied && !copied { 0 } else { embed.bytes() };
         let norm = to_f32_vec(&src.vector(WeightName::Norm, h)?)?;
         let device = src.device().clone();
         let kv_f16 = !src.is_f32();
@@ -447,7 +442,7 @@ impl Llama {
     ) -> Result<Vec<f32>> {
         let c = &self.config;
         let n = batch.tokens.len();
-        check_batch(batch, c.max_position_embeddings)?;
+        check_batch(batch, c.max_position_embeddings, c.vocab_size)?;
         // The residual stream, `[n, hidden]`: each block's outputs are added in place.
         let mut x = self.embed.rows(batch.tokens, &self.device)?;
         let (eps, h, dev) = (c.rms_norm_eps as f32, c.hidden_size, &self.device);
@@ -556,12 +551,17 @@ fn sums_of_squares(group: &[f32], h: usize) -> [f64; SUM_ROWS] {
     sums
 }
 
-fn check_batch(batch: &Batch<'_>, max_pos: usize) -> Result<()> {
+fn check_batch(batch: &Batch<'_>, max_pos: usize, vocab: usize) -> Result<()> {
     let n = batch.tokens.len();
     if n == 0 || batch.positions.len() != n {
         return Err(Error::InvalidParameter(format!(
             "a batch needs one position per token and at least one token, got {n} tokens and {} positions",
             batch.positions.len()
+        )));
+    }
+    if let Some(&t) = batch.tokens.iter().find(|&&t| t as usize >= vocab) {
+        return Err(Error::InvalidParameter(format!(
+            "token id {t} is out of range: the vocabulary has {vocab} tokens"
         )));
     }
     if let Some(&p) = batch.positions.iter().find(|&&p| p >= max_pos) {

@@ -146,8 +146,4 @@ impl WeightSource for SafetensorsWeights {
     fn vector(&mut self, name: WeightName, len: usize) -> Result<Tensor> {
         self.get(name, &[len])
     }
-
-    fn embedding(&mut self, name: WeightName, (r, c): (usize, usize)) -> Result<Tensor> {
-        self.get(name, &[r, c])
-    }
 }

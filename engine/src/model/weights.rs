@@ -140,6 +140,4 @@ pub trait WeightSource {
     fn matmul(&mut self, name: WeightName, shape: (usize, usize)) -> Result<Matmul>;
     /// A 1-D f32 tensor of `len` elements (norm weights, biases).
     fn vector(&mut self, name: WeightName, len: usize) -> Result<Tensor>;
-    /// A `[rows, cols]` f32 matrix for row lookups (the token embedding).
-    fn embedding(&mut self, name: WeightName, shape: (usize, usize)) -> Result<Tensor>;
 }

@@ -22,6 +22,29 @@ pub fn workspace() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..")
 }
 
+/// The logits of every token of `ids`, as one sequence's prefill in a fresh cache (of the
+/// element type the model prefers).
+pub fn prefill_logits(
+    model: &ferrite_engine::model::llama::Llama,
+    ids: &[u32],
+) -> ferrite_engine::Result<Vec<Vec<f32>>> {
+    use ferrite_engine::kv::cache::SingleSequence;
+    use ferrite_engine::model::llama::{Batch, KvDtype, SeqSlice};
+    let mut cache = SingleSequence::new(model, KvDtype::Auto);
+    let positions: Vec<usize> = (0..ids.len()).collect();
+    let seqs = [SeqSlice {
+        start: 0,
+        len: ids.len(),
+        cache_slot: 0,
+    }];
+    let batch = Batch {
+        tokens: ids,
+        positions: &positions,
+        seqs: &seqs,
+    };
+    Ok(model.forward_all(&batch, &mut cache)?.to_vec2::<f32>()?)
+}
+
 /// The fixture file with llama.cpp's reference outputs.
 pub fn fixture(name: &str) -> PathBuf {
     workspace().join("tests/fixtures").join(name)

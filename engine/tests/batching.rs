@@ -7,10 +7,9 @@ mod common;
 use std::time::{Duration, Instant};
 
 use candle_core::Device;
-use ferrite_engine::engine::{EngineConfig, EngineHandle, Event};
+use ferrite_engine::engine::{EngineConfig, EngineHandle, Event, RequestStream};
 use ferrite_engine::generate::generate;
-use ferrite_engine::kv::cache::SingleSequence;
-use ferrite_engine::model::llama::{log_softmax, Batch, KvDtype, SeqSlice};
+use ferrite_engine::model::llama::log_softmax;
 use ferrite_engine::model::{load, LoadedModel};
 use ferrite_engine::sampling::SamplingParams;
 use ferrite_engine::sequence::TokenOutput;
@@ -71,17 +70,13 @@ fn batched(engine: &EngineHandle, prompts: &[Vec<u32>], max_tokens: usize) -> Ve
         .iter()
         .map(|p| engine.submit(p.clone(), params.clone()).expect("accepted"))
         .collect();
-    streams
-        .into_iter()
-        .map(|s| {
-            s.collect_blocking()
-                .expect("completes")
-                .0
-                .iter()
-                .map(|t| t.id)
-                .collect()
-        })
-        .collect()
+    streams.into_iter().map(ids).collect()
+}
+
+/// A completion's token ids.
+fn ids(stream: RequestStream) -> Vec<u32> {
+    let (tokens, ..) = stream.collect_blocking().expect("completes");
+    tokens.iter().map(|t| t.id).collect()
 }
 
 fn wait_idle(engine: &EngineHandle) {
@@ -322,24 +317,7 @@ fn kv_waste_is_measured_over_the_whole_peak_not_just_its_first_step() {
 /// Each prompt token after the first with its log-probability and best alternative, from
 /// one forward pass over the whole prompt: what scoring the prompt must give.
 fn reference_scores(m: &LoadedModel, prompt: &[u32]) -> Vec<(u32, f32, u32)> {
-    let mut cache = SingleSequence::new(&m.model, KvDtype::Auto);
-    let positions: Vec<usize> = (0..prompt.len()).collect();
-    let seqs = [SeqSlice {
-        start: 0,
-        len: prompt.len(),
-        cache_slot: 0,
-    }];
-    let batch = Batch {
-        tokens: prompt,
-        positions: &positions,
-        seqs: &seqs,
-    };
-    let rows = m
-        .model
-        .forward_all(&batch, &mut cache)
-        .expect("forward")
-        .to_vec2::<f32>()
-        .expect("rows");
+    let rows = common::prefill_logits(&m.model, prompt).expect("forward");
     rows.iter()
         .zip(&prompt[1..])
         .map(|(row, &next)| {
@@ -402,8 +380,8 @@ fn a_scored_prompt_gets_one_forward_pass_scores_chunked_batched_or_after_a_cache
 #[test]
 fn a_scored_prompt_keeps_its_scores_through_preemptions() {
     let m = model();
-    let ids = m.tokenizer.encode(TEXT, false).expect("encodes");
-    let prompt: Vec<u32> = ids[..70].to_vec();
+    let text = m.tokenizer.encode(TEXT, false).expect("encodes");
+    let prompt: Vec<u32> = text[..70].to_vec();
     let want = reference_scores(&m, &prompt);
     let others = prompts(&m, 8);
     let want_others: Vec<Vec<u32>> = others.iter().map(|p| alone(&m, p, 24)).collect();
@@ -430,13 +408,7 @@ fn a_scored_prompt_keeps_its_scores_through_preemptions() {
         ..params
     };
     let got = engine.submit(prompt, scored).expect("accepted");
-    let tokens: Vec<Vec<u32>> = streams
-        .into_iter()
-        .map(|s| {
-            let c = s.collect_blocking().expect("completes").0;
-            c.iter().map(|t| t.id).collect()
-        })
-        .collect();
+    let tokens: Vec<Vec<u32>> = streams.into_iter().map(ids).collect();
     assert_eq!(tokens, want_others);
     let got = got.collect_scored_blocking().expect("completes");
     assert_eq!(as_scores(&got.prompt.expect("scores sent")), want);

@@ -79,6 +79,15 @@ fn ids(stream: RequestStream) -> Vec<u32> {
     tokens.iter().map(|t| t.id).collect()
 }
 
+/// Waits for the engine to go idle and checks that it preempted on the way there.
+fn assert_idle_after_preempting(engine: &EngineHandle) {
+    wait_idle(engine);
+    assert!(
+        engine.stats().preemptions > 0,
+        "the cache was too small not to preempt"
+    );
+}
+
 fn wait_idle(engine: &EngineHandle) {
     let deadline = Instant::now() + Duration::from_secs(30);
     while Instant::now() < deadline {
@@ -120,11 +129,7 @@ fn under_memory_pressure_everything_completes_identically_with_preemptions() {
         },
     ));
     assert_eq!(batched(&engine, &ps, 24), want);
-    wait_idle(&engine);
-    assert!(
-        engine.stats().preemptions > 0,
-        "the cache was too small not to preempt"
-    );
+    assert_idle_after_preempting(&engine);
 }
 
 #[test]
@@ -412,11 +417,7 @@ fn a_scored_prompt_keeps_its_scores_through_preemptions() {
     assert_eq!(tokens, want_others);
     let got = got.collect_scored_blocking().expect("completes");
     assert_eq!(as_scores(&got.prompt.expect("scores sent")), want);
-    wait_idle(&engine);
-    assert!(
-        engine.stats().preemptions > 0,
-        "the cache was too small not to preempt"
-    );
+    assert_idle_after_preempting(&engine);
 }
 
 #[test]

@@ -1,15 +1,17 @@
 //! The AVX-512 VNNI kernel of the quantized product for batches: four weight rows against
 //! activation rows four at a time, with exactly ggml's per-block arithmetic (eight integer
 //! lanes per block, the scale product rounded to f32, one fused multiply-add per lane),
-//! laid out so the multiply ports do only the work that needs them and nothing in the main
-//! loop shuffles.
+//! laid out so the multiply ports do only the integer dot products and the fused
+//! multiply-adds.
 //!
-//! - Two activation rows share a 512-bit register with their four-value groups interleaved
-//!   (lane `2j` is the first row's lane `j`, lane `2j + 1` the second's) — laid out once per
-//!   product — and each weight row's groups are doubled to match when its four rows are
-//!   unpacked, so an integer dot product is one load of each. One 64-bit broadcast load
-//!   then carries the two rows' scale products; the sixteen scale products of a 4 × 4 tile
-//!   are one multiply, and its sixteen `m · s` sums (Q4_1) one fused multiply-add.
+//! - Every (weight row, activation row) pair of a tile has its own 256-bit accumulator, so
+//!   a block's eight lanes meet a single scale product, which the fused multiply-add takes
+//!   straight from memory with an embedded broadcast. On a CPU that splits 512-bit
+//!   operations in two (Zen 4), 256-bit ones do the same arithmetic in the same time.
+//! - Weight blocks are unpacked once per group of four rows to 32 unsigned bytes each
+//!   ([`WideQuad::fill`]), with no lane shuffles: a third cheaper than the earlier layout
+//!   that paired two activation rows per 512-bit register and so had to double every
+//!   weight group. Activation rows are used as quantized, grouped by four.
 //! - Signed weights (Q4_0, Q8_0) are made unsigned by an offset `k` (8 for the raw nibbles,
 //!   128 for bytes), and each integer dot product starts from minus `k` times its
 //!   activation values' sum, so it ends at the signed sum itself.
@@ -17,16 +19,16 @@
 //!   as the row-at-a-time code.
 //!
 //! Products of eight or more activation rows run here; each group of four weight rows is
-//! unpacked once ([`WideQuad::fill`]) and then serves every group of activation rows.
+//! unpacked once and then serves every group of activation rows.
 
 use std::arch::x86_64::*;
 
 use super::{QuantizedRow, WeightFormat, BLOCK};
-use crate::kernels::fold::{halves, pairs, quarters};
+use crate::kernels::fold::{pairs, quarters};
 
 /// Proof that the CPU runs the 512-bit kernels — this one and the small-batch kernels in
-/// registers: AVX-512 F/BW/VNNI and the AVX2, FMA and F16C their helpers use (every such
-/// CPU has them; checked rather than assumed). Only [`detect`] makes one.
+/// registers: AVX-512 F/BW/VL/VNNI and the AVX2, FMA and F16C their helpers use (every
+/// such CPU has them; checked rather than assumed). Only [`detect`] makes one.
 #[derive(Debug, Clone, Copy)]
 pub(super) struct Avx512(());
 
@@ -35,6 +37,7 @@ pub(super) fn detect() -> Option<Avx512> {
     use std::arch::is_x86_feature_detected as has;
     (has!("avx512f")
         && has!("avx512bw")
+        && has!("avx512vl")
         && has!("avx512vnni")
         && has!("avx2")
         && has!("fma")
@@ -58,34 +61,48 @@ impl Lane64 {
         unsafe { _mm512_load_ps(self.0.as_ptr().cast()) }
     }
 
-    /// The `k`-th pair of f32 (`k < 8`) in every 64-bit lane: one broadcast load.
+    /// The `k`-th f32 (`k < 16`) in all eight lanes of a 256-bit register.
     #[inline]
-    #[target_feature(enable = "avx512f")]
-    fn pair(&self, k: usize) -> __m512 {
-        let bytes = &self.0[8 * k..8 * k + 8];
-        // SAFETY: `bytes` is 8 readable bytes; the load is unaligned.
-        unsafe {
-            _mm512_castpd_ps(_mm512_set1_pd(
-                bytes.as_ptr().cast::<f64>().read_unaligned(),
-            ))
-        }
-    }
-
-    /// The 64 bytes.
-    #[inline]
-    #[target_feature(enable = "avx512f")]
-    fn si(&self) -> __m512i {
-        // SAFETY: as in `ps`.
-        unsafe { _mm512_load_si512(self.0.as_ptr().cast()) }
+    #[target_feature(enable = "avx2")]
+    fn splat(&self, k: usize) -> __m256 {
+        let bytes = &self.0[4 * k..4 * k + 4];
+        // SAFETY: `bytes` is 4 readable bytes; the load is unaligned.
+        unsafe { _mm256_set1_ps(bytes.as_ptr().cast::<f32>().read_unaligned()) }
     }
 }
 
-/// Four weight rows unpacked for the kernel, per block: each row's eight four-value groups
-/// twice over (lanes `2j` and `2j + 1` both hold group `j`) as unsigned bytes, then the four
-/// scales (lane `4k + r` holds row `k`'s) and the four minimums likewise.
+/// 32 bytes aligned for one 256-bit load: a block's values, or its eight integer lanes.
+#[derive(Debug, Clone, Copy)]
+#[repr(C, align(32))]
+struct Lane32([u8; 32]);
+
+impl Lane32 {
+    const ZERO: Lane32 = Lane32([0; 32]);
+
+    /// The 32 bytes.
+    #[inline]
+    #[target_feature(enable = "avx")]
+    fn si(&self) -> __m256i {
+        // SAFETY: `self` is 32 bytes aligned to 32 (repr above): one aligned load.
+        unsafe { _mm256_load_si256(self.0.as_ptr().cast()) }
+    }
+}
+
+/// One block of four weight rows unpacked for the kernel: each row's 32 values as unsigned
+/// bytes, then the four scales (lane `4k + r` holds row `k`'s, for every `r`) and the four
+/// minimums likewise.
+#[derive(Debug, Clone, Copy)]
+#[repr(C, align(64))]
+struct QuadBlock {
+    q: [Lane32; 4],
+    scales: Lane64,
+    mins: Lane64,
+}
+
+/// Four weight rows unpacked for the kernel, block by block.
 #[derive(Debug, Default)]
 pub(super) struct WideQuad {
-    blocks: Vec<[Lane64; 6]>,
+    blocks: Vec<QuadBlock>,
     /// Per block, the scale products of the activation group at hand (lane `4k + r`: weight
     /// row `k`'s scale times activation row `r`'s).
     products: Vec<Lane64>,
@@ -105,9 +122,12 @@ fn fill_quad(quad: &mut WideQuad, format: WeightFormat, rows: [&[u8]; 4]) {
     let stride = format.block_bytes();
     let nb = rows[0].len() / stride;
     assert!(rows.iter().all(|r| r.len() == nb * stride));
-    quad.blocks.resize(nb, [Lane64::ZERO; 6]);
-    // Eight 32-bit groups -> each twice.
-    let twice = _mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
+    let empty = QuadBlock {
+        q: [Lane32::ZERO; 4],
+        scales: Lane64::ZERO,
+        mins: Lane64::ZERO,
+    };
+    quad.blocks.resize(nb, empty);
     // Q4_1 heads [d0 m0 d1 m1 d2 m2 d3 m3] -> scales and minimums, each four times in a row.
     let scale_of = _mm512_setr_epi32(0, 0, 0, 0, 2, 2, 2, 2, 4, 4, 4, 4, 6, 6, 6, 6);
     let min_of = _mm512_setr_epi32(1, 1, 1, 1, 3, 3, 3, 3, 5, 5, 5, 5, 7, 7, 7, 7);
@@ -124,8 +144,8 @@ fn fill_quad(quad: &mut WideQuad, format: WeightFormat, rows: [&[u8]; 4]) {
         let at = i * stride;
         // SAFETY: every row holds `nb` blocks of `stride` bytes (asserted), so each read
         // stays inside block `i` of its row: a 2- or 4-byte head, then 16 or 32 value bytes
-        // at `values`; all loads are unaligned. Each `Lane64` is 64 bytes aligned to 64:
-        // aligned stores.
+        // at `values`; all loads are unaligned. Each `Lane32` and `Lane64` is aligned to
+        // its size: aligned stores.
         unsafe {
             let (scales, mins) = if format == WeightFormat::Q4_1 {
                 let head = |r: usize| p[r].add(at).cast::<i32>().read_unaligned();
@@ -152,7 +172,7 @@ fn fill_quad(quad: &mut WideQuad, format: WeightFormat, rows: [&[u8]; 4]) {
                     _mm512_setzero_ps(),
                 )
             };
-            for (row, lane) in p.iter().zip(&mut dst[..4]) {
+            for (row, lane) in p.iter().zip(&mut dst.q) {
                 let v = row.add(at + values);
                 // The 32 values in order, unsigned: Q8_0 bytes with the sign bit flipped,
                 // nibbles as they are (low nibbles are values 0-15, high ones 16-31).
@@ -166,29 +186,27 @@ fn fill_quad(quad: &mut WideQuad, format: WeightFormat, rows: [&[u8]; 4]) {
                     );
                     _mm256_and_si256(y, low)
                 };
-                let doubled = _mm512_permutexvar_epi32(twice, _mm512_castsi256_si512(bytes));
-                _mm512_store_si512(lane.0.as_mut_ptr().cast(), doubled);
+                _mm256_store_si256(lane.0.as_mut_ptr().cast(), bytes);
             }
-            _mm512_store_ps(dst[4].0.as_mut_ptr().cast(), scales);
-            _mm512_store_ps(dst[5].0.as_mut_ptr().cast(), mins);
+            _mm512_store_ps(dst.scales.0.as_mut_ptr().cast(), scales);
+            _mm512_store_ps(dst.mins.0.as_mut_ptr().cast(), mins);
         }
     }
 }
 
 /// Activation rows laid out for the kernel in groups of four (the last group padded with
-/// zero rows, whose results are dropped), each group two pairs of rows.
+/// zero rows, whose results are dropped).
 #[derive(Debug)]
 pub(super) struct WideActs {
     rows: usize,
     blocks: usize,
     /// Q4_1: `m · s` terms are added (and the integer sums start from zero).
     mins: bool,
-    /// `[group][block][pair]`: the pair's two rows of 32 bytes interleaved by four-value
-    /// group (lane `2j + h` holds group `j` of the pair's row `h`).
-    q: Vec<Lane64>,
-    /// `[group][block][pair]`: where each integer sum starts (signed weights), interleaved
-    /// likewise.
-    start: Vec<Lane64>,
+    /// `[group][block][row]`: the row's 32 bytes of the block.
+    q: Vec<Lane32>,
+    /// `[group][block][row]`: where each of the block's eight integer sums starts (signed
+    /// weights).
+    start: Vec<Lane32>,
     /// `[group][block]`: the four rows' scales, then their `d · Σq` sums (Q4_1).
     ds: Vec<[f32; 8]>,
 }
@@ -208,30 +226,38 @@ impl WideActs {
             WeightFormat::Q4_0 => Some(3),
             WeightFormat::Q8_0 => Some(7),
         };
-        let cells = acts.len().div_ceil(4) * blocks * 2;
+        let cells = acts.len().div_ceil(4) * blocks * 4;
         let mut out = WideActs {
             rows: acts.len(),
             blocks,
             mins,
-            q: vec![Lane64::ZERO; cells],
+            q: vec![Lane32::ZERO; cells],
             start: if mins {
                 Vec::new()
             } else {
-                vec![Lane64::ZERO; cells]
+                vec![Lane32::ZERO; cells]
             },
-            ds: vec![[0.0; 8]; cells / 2],
+            ds: vec![[0.0; 8]; cells / 4],
         };
-        let _ = cpu;
-        // SAFETY: `cpu` exists only where `detect` found every feature `interleave` enables.
-        unsafe { interleave(&mut out, shift, acts) };
         for (n, a) in acts.iter().enumerate() {
             let (g, r) = (n / 4, n % 4);
+            for (i, q) in a.q.chunks_exact(BLOCK).enumerate() {
+                let cell = &mut out.q[(g * blocks + i) * 4 + r];
+                for (dst, &src) in cell.0.iter_mut().zip(q) {
+                    *dst = src as u8;
+                }
+            }
             for (i, ds) in out.ds[g * blocks..(g + 1) * blocks].iter_mut().enumerate() {
                 ds[r] = a.d[i];
                 if mins {
                     ds[4 + r] = a.s[i];
                 }
             }
+        }
+        if let Some(shift) = shift {
+            let _ = cpu;
+            // SAFETY: `cpu` exists only where `detect` found every feature `starts` enables.
+            unsafe { starts(&mut out, shift) };
         }
         out
     }
@@ -242,47 +268,18 @@ impl WideActs {
     }
 }
 
-/// Fills `out.q` (and, with `shift`, `out.start` as minus `2^shift` times each four values'
-/// sum) from `acts`, two rows per cell (a missing second row reads as zeros).
-#[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
-fn interleave(out: &mut WideActs, shift: Option<u32>, acts: &[QuantizedRow]) {
-    let blocks = out.blocks;
-    // Group j of the first row to lane 2j, of the second to lane 2j + 1.
-    let pairs = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
-    let ones = _mm512_set1_epi8(1);
-    let zeros = [0i8; BLOCK];
-    for (p, rows) in acts.chunks(2).enumerate() {
-        for i in 0..blocks {
-            let at = i * BLOCK..(i + 1) * BLOCK;
-            let first = &rows[0].q[at.clone()];
-            let second = rows.get(1).map_or(&zeros[..], |r| &r.q[at]);
-            // SAFETY: each slice holds exactly 32 bytes (rows were checked in `new`); the
-            // loads are unaligned.
-            let (a, b) = unsafe {
-                (
-                    _mm256_loadu_si256(first.as_ptr().cast()),
-                    _mm256_loadu_si256(second.as_ptr().cast()),
-                )
-            };
-            let cell = _mm512_permutex2var_epi32(
-                _mm512_castsi256_si512(a),
-                pairs,
-                _mm512_castsi256_si512(b),
-            );
-            // Cell `[group][block][pair]`; pair `p` is group `p / 2`'s pair `p % 2`.
-            let at = (p / 2 * blocks + i) * 2 + p % 2;
-            // SAFETY: each `Lane64` is 64 bytes aligned to 64: aligned stores.
-            unsafe { _mm512_store_si512(out.q[at].0.as_mut_ptr().cast(), cell) };
-            if let Some(shift) = shift {
-                let sums = _mm512_dpbusd_epi32(_mm512_setzero_si512(), ones, cell);
-                let start = _mm512_sub_epi32(
-                    _mm512_setzero_si512(),
-                    _mm512_sll_epi32(sums, _mm_cvtsi32_si128(shift as i32)),
-                );
-                // SAFETY: as above.
-                unsafe { _mm512_store_si512(out.start[at].0.as_mut_ptr().cast(), start) };
-            }
-        }
+/// Fills `out.start` with minus `2^shift` times each four activation values' sum.
+#[target_feature(enable = "avx512f,avx512vl,avx512vnni,avx2")]
+fn starts(out: &mut WideActs, shift: u32) {
+    let ones = _mm256_set1_epi8(1);
+    for (q, start) in out.q.iter().zip(&mut out.start) {
+        let sums = _mm256_dpbusd_epi32(_mm256_setzero_si256(), ones, q.si());
+        let start_at = _mm256_sub_epi32(
+            _mm256_setzero_si256(),
+            _mm256_sll_epi32(sums, _mm_cvtsi32_si128(shift as i32)),
+        );
+        // SAFETY: each `Lane32` is 32 bytes aligned to 32: an aligned store.
+        unsafe { _mm256_store_si256(start.0.as_mut_ptr().cast(), start_at) };
     }
 }
 
@@ -309,7 +306,7 @@ fn four_times(four: &[f32]) -> __m512 {
     _mm512_broadcast_f32x4(unsafe { _mm_loadu_ps(four.as_ptr()) })
 }
 
-#[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma")]
 fn tile_avx512<const MINS: bool>(quad: &mut WideQuad, acts: &WideActs, out: &mut [[f32; 4]]) {
     let WideQuad {
         blocks: quad,
@@ -317,49 +314,44 @@ fn tile_avx512<const MINS: bool>(quad: &mut WideQuad, acts: &WideActs, out: &mut
     } = quad;
     let nb = quad.len();
     assert!(acts.blocks == nb && out.len() == acts.rows && acts.mins == MINS);
-    assert!(acts.q.len() == out.len().div_ceil(4) * 2 * nb && acts.ds.len() * 2 == acts.q.len());
+    assert!(acts.q.len() == out.len().div_ceil(4) * 4 * nb && acts.ds.len() * 4 == acts.q.len());
     assert!(MINS || acts.start.len() == acts.q.len());
     products.resize(nb, Lane64::ZERO);
-    // The `m · s` sums, lane 4k + r, gathered to lane 4r + k.
+    // Lane 4k + r (weight row k, activation row r) to lane 4r + k.
     let by_row = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
     for (g, outs) in out.chunks_mut(4).enumerate() {
-        let cells = 2 * g * nb..2 * (g + 1) * nb;
+        let cells = 4 * g * nb..4 * (g + 1) * nb;
         let group_q = &acts.q[cells.clone()];
         let group_start = if MINS { &[][..] } else { &acts.start[cells] };
         let group_ds = &acts.ds[g * nb..(g + 1) * nb];
-        // First the scale products, so the main loop reads each pair of them (one weight
-        // row's scale times a pair of activation rows') with a broadcast load.
+        // First the scale products, so the main loop takes each from memory.
         for ((p, w), ds) in products.iter_mut().zip(quad.iter()).zip(group_ds) {
-            let product = _mm512_mul_ps(w[4].ps(), four_times(ds));
+            let product = _mm512_mul_ps(w.scales.ps(), four_times(ds));
             // SAFETY: each `Lane64` is 64 bytes aligned to 64: an aligned store.
             unsafe { _mm512_store_ps(p.0.as_mut_ptr().cast(), product) };
         }
         let mut summs = _mm512_setzero_ps();
-        let mut acc = [[_mm512_setzero_ps(); 2]; 4];
+        // `acc[k][r]`: weight row k against activation row r, eight lanes.
+        let mut acc = [[_mm256_setzero_ps(); 4]; 4];
         for (i, ((w, ds), scales)) in quad.iter().zip(group_ds).zip(products.iter()).enumerate() {
             if MINS {
-                summs = _mm512_fmadd_ps(w[5].ps(), four_times(&ds[4..]), summs);
+                summs = _mm512_fmadd_ps(w.mins.ps(), four_times(&ds[4..]), summs);
             }
-            let y = [group_q[2 * i].si(), group_q[2 * i + 1].si()];
-            let from = if MINS {
-                [_mm512_setzero_si512(); 2]
-            } else {
-                [group_start[2 * i].si(), group_start[2 * i + 1].si()]
-            };
-            for (k, acc) in acc.iter_mut().enumerate() {
-                let x = w[k].si();
-                for (pair, acc) in acc.iter_mut().enumerate() {
-                    let sums = _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(from[pair], x, y[pair]));
-                    *acc = _mm512_fmadd_ps(scales.pair(2 * k + pair), sums, *acc);
+            let x = [w.q[0].si(), w.q[1].si(), w.q[2].si(), w.q[3].si()];
+            for r in 0..4 {
+                let y = group_q[4 * i + r].si();
+                let from = if MINS {
+                    _mm256_setzero_si256()
+                } else {
+                    group_start[4 * i + r].si()
+                };
+                for (k, x) in x.iter().enumerate() {
+                    let sums = _mm256_cvtepi32_ps(_mm256_dpbusd_epi32(from, *x, y));
+                    acc[k][r] = _mm256_fmadd_ps(scales.splat(4 * k + r), sums, acc[k][r]);
                 }
             }
         }
-        let sums = finish(acc);
-        let rows = if MINS {
-            _mm512_add_ps(sums, _mm512_permutexvar_ps(by_row, summs))
-        } else {
-            sums
-        };
+        let rows = _mm512_permutexvar_ps(by_row, _mm512_add_ps(finish(acc), summs));
         if outs.len() == 4 {
             // SAFETY: four rows of four f32 are exactly sixteen contiguous f32; the store is
             // unaligned. (A whole group is stored straight, not through a library copy.)
@@ -373,22 +365,26 @@ fn tile_avx512<const MINS: bool>(quad: &mut WideQuad, acts: &WideActs, out: &mut
     }
 }
 
-/// The sixteen results of a tile, lane `4r + k` for activation row `r` and weight row `k`:
-/// each accumulator's eight lanes of a row summed exactly as [`super::hsum8`] does — lanes `j` and
-/// `j + 4`, then the two halves' pairs, then the last two — for all of them at once.
+/// The sixteen sums of a tile's accumulators, lane `4k + r` for weight row `k` and
+/// activation row `r`: each accumulator's eight lanes summed exactly as [`super::hsum8`]
+/// does — lanes `j` and `j + 4`, then the pairs, then the last two — all at once.
 #[inline]
-#[target_feature(enable = "avx512f")]
-fn finish(acc: [[__m512; 2]; 4]) -> __m512 {
-    // Row h of an accumulator has its lane j at 2j + h, so lane j + 4 is 8 lanes on; then
-    // each accumulator's 8 lanes: the first 4 plus the next 4.
-    let u = acc.map(|[a, b]| halves(a, b));
-    let (v, w) = (quarters(u[0], u[1]), quarters(u[2], u[3]));
-    // Lanes (0, 1) plus (2, 3) of each 128-bit quarter.
-    let f = pairs(v, w);
-    // Lane 4q + 2s + h of `f` holds weight row k = q / 2 + 2s against activation row
-    // r = 2 (q % 2) + h; gathered to lane 4r + k.
-    let order = _mm512_setr_epi32(0, 8, 2, 10, 1, 9, 3, 11, 4, 12, 6, 14, 5, 13, 7, 15);
-    _mm512_permutexvar_ps(order, f)
+#[target_feature(enable = "avx512f,avx2")]
+fn finish(acc: [[__m256; 4]; 4]) -> __m512 {
+    let joined = |a: __m256, b: __m256| {
+        let a = _mm512_castps_pd(_mm512_castps256_ps512(a));
+        _mm512_castpd_ps(_mm512_insertf64x4::<1>(a, _mm256_castps_pd(b)))
+    };
+    // Per activation row r, quarter k: weight row k's lanes j + (j + 4).
+    let by_r =
+        [0, 1, 2, 3].map(|r| quarters(joined(acc[0][r], acc[1][r]), joined(acc[2][r], acc[3][r])));
+    // Quarter k: rows r and r + 1 of each pair, lanes (0 + 2, 1 + 3).
+    let (a, b) = (pairs(by_r[0], by_r[1]), pairs(by_r[2], by_r[3]));
+    // Quarter k: the last two of rows 0, 1, 2, 3.
+    _mm512_add_ps(
+        _mm512_shuffle_ps::<0b10_00_10_00>(a, b),
+        _mm512_shuffle_ps::<0b11_01_11_01>(a, b),
+    )
 }
 
 #[cfg(test)]

@@ -10,7 +10,7 @@ use crate::engine::{EngineConfig, EngineHandle, Event};
 use crate::error::{Error, Result};
 use crate::generate::generate;
 use crate::kv::cache::SingleSequence;
-use crate::model::llama::{Batch, KvDtype, SeqSlice};
+use crate::model::llama::KvDtype;
 use crate::sampling::SamplingParams;
 
 /// Text that prompts are cut from (public domain: the opening of *Moby-Dick*).
@@ -68,21 +68,8 @@ pub fn run(args: &BenchArgs) -> Result<()> {
     let mut pp_best = 0.0f64;
     for _ in 0..repeat {
         let mut cache = SingleSequence::new(model, KvDtype::Auto);
-        let positions: Vec<usize> = (0..prompt.len()).collect();
-        let seqs = [SeqSlice {
-            start: 0,
-            len: prompt.len(),
-            cache_slot: 0,
-        }];
         let t = Instant::now();
-        model.forward(
-            &Batch {
-                tokens: &prompt,
-                positions: &positions,
-                seqs: &seqs,
-            },
-            &mut cache,
-        )?;
+        cache.forward(model, &prompt)?;
         pp_best = pp_best.max(prompt.len() as f64 / t.elapsed().as_secs_f64());
     }
     let mut decode_best = 0.0f64;

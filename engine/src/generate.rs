@@ -4,7 +4,7 @@ use std::time::Instant;
 
 use crate::error::{Error, Result};
 use crate::kv::cache::SingleSequence;
-use crate::model::llama::{Batch, KvDtype, SeqSlice};
+use crate::model::llama::KvDtype;
 use crate::model::LoadedModel;
 use crate::sampling::SamplingParams;
 use crate::sequence::{FinishReason, SequenceState, TokenOutput};
@@ -67,22 +67,9 @@ fn run(
     let start = Instant::now();
     let mut first_token_at = None;
     let mut input: Vec<u32> = prompt.to_vec();
-    let mut pos = 0;
     loop {
-        let positions: Vec<usize> = (pos..pos + input.len()).collect();
-        let seqs = [SeqSlice {
-            start: 0,
-            len: input.len(),
-            cache_slot: 0,
-        }];
-        let batch = Batch {
-            tokens: &input,
-            positions: &positions,
-            seqs: &seqs,
-        };
-        let logits = model.forward(&batch, &mut cache)?;
+        let logits = cache.forward(model, &input)?;
         let mut row = logits.squeeze(0)?.to_vec1::<f32>()?;
-        pos += input.len();
         let step = seq.step(&mut row, &loaded.tokenizer)?;
         first_token_at.get_or_insert_with(Instant::now);
         on_text(&step.text);

@@ -6,7 +6,7 @@ mod common;
 use candle_core::{DType, Device};
 use common::{reference_logits, write_tiny_gguf, write_tiny_hf, TinySpec};
 use ferrite_engine::kv::cache::SingleSequence;
-use ferrite_engine::model::llama::{Batch, KvDtype, Llama, SeqSlice};
+use ferrite_engine::model::llama::{KvDtype, Llama};
 use ferrite_engine::model::load_model;
 
 const IDS: [u32; 9] = [3, 17, 42, 99, 0, 8, 8, 57, 23];
@@ -15,45 +15,18 @@ const IDS: [u32; 9] = [3, 17, 42, 99, 0, 8, 8, 57, 23];
 /// single-token decode steps (the cached path).
 fn engine_logits(model: &Llama) -> (Vec<Vec<f32>>, Vec<Vec<f32>>) {
     let all = common::prefill_logits(model, &IDS).expect("forward");
-    let positions: Vec<usize> = (0..IDS.len()).collect();
     let mut cache = SingleSequence::new(model, KvDtype::Auto);
-    let mut stepped = Vec::new();
     let pre = 4;
-    let seqs = [SeqSlice {
-        start: 0,
-        len: pre,
-        cache_slot: 0,
-    }];
-    let batch = Batch {
-        tokens: &IDS[..pre],
-        positions: &positions[..pre],
-        seqs: &seqs,
-    };
-    stepped.extend(
-        model
-            .forward_all(&batch, &mut cache)
-            .expect("prefill")
-            .to_vec2::<f32>()
-            .expect("rows"),
-    );
+    let mut stepped = cache
+        .forward_all(model, &IDS[..pre])
+        .and_then(|l| Ok(l.to_vec2::<f32>()?))
+        .expect("prefill");
     for i in pre..IDS.len() {
-        let seqs = [SeqSlice {
-            start: 0,
-            len: 1,
-            cache_slot: 0,
-        }];
-        let batch = Batch {
-            tokens: &IDS[i..=i],
-            positions: &positions[i..=i],
-            seqs: &seqs,
-        };
-        stepped.extend(
-            model
-                .forward(&batch, &mut cache)
-                .expect("decode")
-                .to_vec2::<f32>()
-                .expect("rows"),
-        );
+        let row = cache
+            .forward(model, &IDS[i..=i])
+            .and_then(|l| Ok(l.to_vec2::<f32>()?))
+            .expect("decode");
+        stepped.extend(row);
     }
     (all, stepped)
 }

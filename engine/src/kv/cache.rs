@@ -11,6 +11,7 @@ use crate::kernels::attention::{
 };
 use crate::kernels::buffers;
 use crate::model::llama::{Batch, KvCache, KvDtype, Llama, SeqSlice};
+use candle_core::Tensor;
 
 /// A paged cache whose block tables are set for each step; `SeqSlice::cache_slot` indexes
 /// the tables.
@@ -50,6 +51,8 @@ pub struct SingleSequence {
     cache: Box<dyn PagedCache>,
     block_size: usize,
     blocks: usize,
+    /// Tokens the sequence holds: the next one goes to this position.
+    len: usize,
 }
 
 impl SingleSequence {
@@ -60,7 +63,40 @@ impl SingleSequence {
             cache: new_paged(model, dtype, BLOCK),
             block_size: BLOCK,
             blocks: 0,
+            len: 0,
         }
+    }
+
+    /// Appends `tokens` to the sequence through `model` (a prefill, or a decode step of one
+    /// token) and returns the logits of the last of them (`[1, vocab]`).
+    pub fn forward(&mut self, model: &Llama, tokens: &[u32]) -> Result<Tensor> {
+        self.append(model, tokens, false)
+    }
+
+    /// [`SingleSequence::forward`] returning the logits of every token (`[tokens, vocab]`).
+    pub fn forward_all(&mut self, model: &Llama, tokens: &[u32]) -> Result<Tensor> {
+        self.append(model, tokens, true)
+    }
+
+    fn append(&mut self, model: &Llama, tokens: &[u32], all: bool) -> Result<Tensor> {
+        let positions: Vec<usize> = (self.len..self.len + tokens.len()).collect();
+        let seqs = [SeqSlice {
+            start: 0,
+            len: tokens.len(),
+            cache_slot: 0,
+        }];
+        let batch = Batch {
+            tokens,
+            positions: &positions,
+            seqs: &seqs,
+        };
+        let logits = if all {
+            model.forward_all(&batch, self)?
+        } else {
+            model.forward(&batch, self)?
+        };
+        self.len += tokens.len();
+        Ok(logits)
     }
 }
 

@@ -29,20 +29,9 @@ pub fn prefill_logits(
     ids: &[u32],
 ) -> ferrite_engine::Result<Vec<Vec<f32>>> {
     use ferrite_engine::kv::cache::SingleSequence;
-    use ferrite_engine::model::llama::{Batch, KvDtype, SeqSlice};
+    use ferrite_engine::model::llama::KvDtype;
     let mut cache = SingleSequence::new(model, KvDtype::Auto);
-    let positions: Vec<usize> = (0..ids.len()).collect();
-    let seqs = [SeqSlice {
-        start: 0,
-        len: ids.len(),
-        cache_slot: 0,
-    }];
-    let batch = Batch {
-        tokens: ids,
-        positions: &positions,
-        seqs: &seqs,
-    };
-    Ok(model.forward_all(&batch, &mut cache)?.to_vec2::<f32>()?)
+    Ok(cache.forward_all(model, ids)?.to_vec2::<f32>()?)
 }
 
 /// The fixture file with llama.cpp's reference outputs.

@@ -177,25 +177,17 @@ impl QuantMatrix {
         let stride = self.format.block_bytes();
         for (b, y) in row.chunks_exact(stride).zip(out.chunks_exact_mut(BLOCK)) {
             let d = f16_at(b, 0);
-            match self.format {
-                WeightFormat::Q8_0 => {
-                    for (y, &q) in y.iter_mut().zip(&b[2..]) {
-                        *y = f32::from(q as i8) * d;
-                    }
-                }
-                WeightFormat::Q4_0 | WeightFormat::Q4_1 => {
-                    let (m, offset, qs) = match self.format {
-                        WeightFormat::Q4_1 => (Some(f16_at(b, 2)), 0, &b[4..]),
-                        _ => (None, 8, &b[2..]),
-                    };
-                    let (low, high) = y.split_at_mut(BLOCK / 2);
-                    for ((lo, hi), &q) in low.iter_mut().zip(high).zip(qs) {
-                        let (x0, x1) = (i16::from(q & 0x0F) - offset, i16::from(q >> 4) - offset);
-                        (*lo, *hi) = (f32::from(x0) * d, f32::from(x1) * d);
-                        if let Some(m) = m {
-                            (*lo, *hi) = (*lo + m, *hi + m);
-                        }
-                    }
+            let (q, m) = match self.format {
+                WeightFormat::Q8_0 => (std::array::from_fn(|j| b[2 + j] as i8), None),
+                WeightFormat::Q4_0 => (nibbles(&b[2..], 8), None),
+                WeightFormat::Q4_1 => (nibbles(&b[4..], 0), Some(f16_at(b, 2))),
+            };
+            for (y, q) in y.iter_mut().zip(q) {
+                // The product is rounded before the minimum is added (and a zero keeps its
+                // sign where there is none to add).
+                *y = f32::from(q) * d;
+                if let Some(m) = m {
+                    *y += m;
                 }
             }
         }

@@ -75,8 +75,7 @@ pub struct Spread {
 impl Run {
     /// One level's runs as one: the median run (of an even count, the lower of the middle
     /// two) and, for more than one, their range; `None` for no runs.
-    pub fn median(label: &str, workload: &str, load: Load, runs: Vec<Summary>) -> Option<Self> {
-        let mut runs = runs;
+    pub fn median(label: &str, workload: &str, load: Load, mut runs: Vec<Summary>) -> Option<Self> {
         runs.sort_by(|a, b| a.output_tokens_per_s.total_cmp(&b.output_tokens_per_s));
         let spread = (runs.len() > 1).then(|| Spread {
             runs: runs.len(),

@@ -135,6 +135,11 @@ struct Load {
     waste_first: f64,
     /// The same, averaged over every step that held the peak allocation.
     waste_mean: f64,
+    /// Output tokens/s of the decode phase: the tokens that arrived after the last
+    /// request's first token, over the time from then to the end. Once every prompt has
+    /// been prefilled, every step only decodes, so this is what batching does to decoding
+    /// alone; the whole-run figure also carries the prompts' processing.
+    decode_per_s: f64,
 }
 
 impl Load {
@@ -145,6 +150,17 @@ impl Load {
     /// its KV waste at the peak's first step and mean.
     fn row(label: &str, runs: &[Load], single: &[Load], range: bool, ttft_ratio: bool) -> String {
         let (this, one) = (Load::median(runs), Load::median(single));
+        // The decode phase of a burst, from the same (median) runs; the steady table has
+        // none, as new prompts keep arriving until its end.
+        let decode = if ttft_ratio {
+            String::new()
+        } else {
+            format!(
+                " {:.1} ({:.2}×) |",
+                this.decode_per_s,
+                this.decode_per_s / one.decode_per_s.max(1e-9)
+            )
+        };
         let per_round = |l: &Load, s: &Load| l.tokens_per_s / s.tokens_per_s.max(1e-9);
         let spread = if range && runs.len() > 1 {
             let ratios: Vec<f64> = runs
@@ -164,7 +180,7 @@ impl Load {
             String::new()
         };
         format!(
-            "| {label} | {:.1} | {:.2}×{spread} | {:.2} s | {:.2} s |{ratio} {:.1} % / {:.1} % |",
+            "| {label} | {:.1} | {:.2}×{spread} | {:.2} s | {:.2} s |{ratio}{decode} {:.1} % / {:.1} % |",
             this.tokens_per_s,
             per_round(&this, &one),
             this.ttft_p50,
@@ -212,9 +228,31 @@ fn measure(
     Ok(runs)
 }
 
-/// What one client saw: each request's time to first token (from its own submission) and
-/// tokens received.
-type ClientLog = Vec<(Option<f64>, usize)>;
+/// What one client saw of one request.
+struct Received {
+    /// Time to first token, from the request's own submission.
+    ttft: Option<f64>,
+    /// When each token arrived, in seconds from the start of the load.
+    arrivals: Vec<f64>,
+}
+
+/// Output tokens/s after the last request's first token: the tokens that arrived later,
+/// over the time from then until `elapsed` (0 when no token came after it).
+fn decode_rate(requests: &[Received], elapsed: f64) -> f64 {
+    let last_first = requests
+        .iter()
+        .filter_map(|r| r.arrivals.first().copied())
+        .fold(0.0, f64::max);
+    let later = requests
+        .iter()
+        .flat_map(|r| &r.arrivals)
+        .filter(|&&t| t > last_first)
+        .count();
+    if later == 0 {
+        return 0.0;
+    }
+    later as f64 / (elapsed - last_first).max(1e-9)
+}
 
 fn run_load(
     path: &std::path::Path,
@@ -246,7 +284,7 @@ fn run_load(
             Arrival::Staggered { .. } => None,
         });
     }
-    let logs: Vec<Result<ClientLog>> = std::thread::scope(|s| {
+    let logs: Vec<Result<Vec<Received>>> = std::thread::scope(|s| {
         let handles: Vec<_> = wait
             .into_iter()
             .zip(first_streams)
@@ -254,7 +292,7 @@ fn run_load(
             .map(|(j, (wait, mut submitted))| {
                 let mut next = go.get(j + 1).cloned();
                 let (engine, params, prompt) = (&engine, &params, &prompt[..len]);
-                s.spawn(move || -> Result<ClientLog> {
+                s.spawn(move || -> Result<Vec<Received>> {
                     if j > 0 && submitted.is_none() {
                         let _ = wait.recv();
                     }
@@ -267,24 +305,24 @@ fn run_load(
                                 engine.submit(prompt.to_vec(), params.clone())?,
                             ),
                         };
-                        let (mut first, mut n) = (None, 0);
+                        let (mut ttft, mut arrivals) = (None, Vec::with_capacity(len));
                         while let Some(ev) = stream.next_blocking() {
                             match ev {
                                 Event::Token { .. } => {
-                                    if first.is_none() {
-                                        first = Some(sent.elapsed().as_secs_f64());
+                                    if ttft.is_none() {
+                                        ttft = Some(sent.elapsed().as_secs_f64());
                                         if let Some(go) = next.take() {
                                             let _ = go.send(());
                                         }
                                     }
-                                    n += 1;
+                                    arrivals.push(start.elapsed().as_secs_f64());
                                 }
                                 // Not asked for here.
                                 Event::PromptLogprobs(_) => {}
                                 Event::Finished(_) => break,
                             }
                         }
-                        log.push((first, n));
+                        log.push(Received { ttft, arrivals });
                     }
                     // A request that produced no token must not hold the next client back.
                     if let Some(go) = next.take() {
@@ -311,17 +349,18 @@ fn run_load(
     for log in logs {
         all.extend(log?);
     }
-    let mut t: Vec<f64> = all.iter().filter_map(|r| r.0).collect();
+    let mut t: Vec<f64> = all.iter().filter_map(|r| r.ttft).collect();
     t.sort_by(f64::total_cmp);
     let st = engine.stats();
     let peak = st.peak_allocated_slots.max(1) as f64;
     let mean_fill = st.filled_over_peak_steps as f64 / st.steps_at_peak.max(1) as f64;
     Ok(Load {
-        tokens_per_s: all.iter().map(|r| r.1).sum::<usize>() as f64 / elapsed,
+        tokens_per_s: all.iter().map(|r| r.arrivals.len()).sum::<usize>() as f64 / elapsed,
         ttft_p50: percentile(&t, 0.5),
         ttft_p90: percentile(&t, 0.9),
         waste_first: 1.0 - st.filled_at_peak as f64 / peak,
         waste_mean: 1.0 - mean_fill / peak,
+        decode_per_s: decode_rate(&all, elapsed),
     })
 }
 
@@ -375,10 +414,10 @@ fn batching(args: &BenchArgs, mut prompt: Vec<u32>) -> Result<()> {
         String::new()
     };
     println!();
-    println!("Continuous batching, {len}-token prompts and {len} output tokens each (greedy, prefix caching off), all requests sent at once.{median_note}");
+    println!("Continuous batching, {len}-token prompts and {len} output tokens each (greedy, prefix caching off), all requests sent at once.{median_note} The decode phase counts the tokens that arrived after the last request's first token, over the time since then: by then every prompt has been processed and the steps only decode.");
     println!();
-    println!("| concurrent requests | output tok/s | × single | TTFT p50 | TTFT p90 | KV waste at peak (first step / mean) |");
-    println!("|---|---|---|---|---|---|");
+    println!("| concurrent requests | output tok/s | × single | TTFT p50 | TTFT p90 | decode phase tok/s (× single's) | KV waste at peak (first step / mean) |");
+    println!("|---|---|---|---|---|---|---|");
     let Some(single) = print_rows(&args.concurrency, &runs, false) else {
         return Ok(());
     };
@@ -462,5 +501,44 @@ mod tests {
         );
         let row = Load::row("1", &single, &single, false, false);
         assert!(row.starts_with("| 1 | 110.0 | 1.00× |"), "{row}");
+    }
+
+    #[test]
+    fn the_decode_phase_starts_at_the_last_first_token() {
+        // Two requests: first tokens at 1.0 s and 2.0 s, then tokens until the end at 4.0 s.
+        let requests = [
+            Received {
+                ttft: Some(1.0),
+                arrivals: vec![1.0, 1.5, 2.5, 3.0],
+            },
+            Received {
+                ttft: Some(2.0),
+                arrivals: vec![2.0, 3.0, 4.0],
+            },
+        ];
+        // After 2.0 s: 2.5, 3.0 (first request), 3.0, 4.0 (second): 4 tokens in 2 s.
+        assert_eq!(decode_rate(&requests, 4.0), 2.0);
+        // A lone token per request leaves no decode phase.
+        let lone = [Received {
+            ttft: Some(1.0),
+            arrivals: vec![1.0],
+        }];
+        assert_eq!(decode_rate(&lone, 1.0), 0.0);
+    }
+
+    #[test]
+    fn burst_rows_give_the_decode_phase_against_the_single_requests() {
+        let with_decode = |tokens_per_s, decode_per_s| Load {
+            tokens_per_s,
+            decode_per_s,
+            ..Load::default()
+        };
+        let single = [with_decode(100.0, 120.0)];
+        let sixteen = [with_decode(250.0, 360.0)];
+        let row = Load::row("16", &sixteen, &single, false, false);
+        assert!(row.contains("| 360.0 (3.00×) |"), "{row}");
+        // The steady table has no decode-phase column.
+        let row = Load::row("16", &sixteen, &single, false, true);
+        assert!(!row.contains("360.0"), "{row}");
     }
 }

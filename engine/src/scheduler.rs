@@ -212,6 +212,7 @@ impl<E> Scheduler<E> {
             }
             let target = seq.computed + want;
             if self.grow(i, target) {
+                self.index_blocks(i, target);
                 plan.push(Scheduled {
                     index: i,
                     start: self.running[i].computed,
@@ -255,6 +256,7 @@ impl<E> Scheduler<E> {
                 }
                 break;
             }
+            self.index_blocks(index, target);
             plan.push(Scheduled {
                 index,
                 start: self.running[index].computed,
@@ -265,25 +267,43 @@ impl<E> Scheduler<E> {
         plan
     }
 
-    /// Records that the planned tokens were computed, and indexes the blocks they filled.
+    /// Records that the planned tokens were computed.
     pub fn complete(&mut self, plan: &[Scheduled]) {
-        let bs = self.pool.borrow().block_size();
         for s in plan {
-            let seq = &mut self.running[s.index];
-            seq.computed = s.start + s.len;
-            if !self.config.enable_prefix_caching {
-                continue;
-            }
-            let mut pool = self.pool.borrow_mut();
-            while (seq.hashes.len() + 1) * bs <= seq.computed {
-                let b = seq.hashes.len();
-                let h = block_hash(
-                    seq.hashes.last().copied(),
-                    &seq.tokens[b * bs..(b + 1) * bs],
-                );
-                pool.register(seq.blocks.ids[b], h);
-                seq.hashes.push(h);
-            }
+            self.running[s.index].computed = s.start + s.len;
+        }
+    }
+
+    /// Indexes the blocks of running sequence `index` that its first `target` tokens fill,
+    /// as soon as the step that computes them is planned (as vLLM does), so a request
+    /// admitted later in the same step — another choice of an `n > 1` request, or the same
+    /// prompt sent twice at once — shares them instead of computing them again. This is
+    /// sound because a step stores every sequence's keys and values of a layer before any
+    /// of them attends: the sharer reads blocks the same step has just filled.
+    fn index_blocks(&mut self, index: usize, target: usize) {
+        if !self.config.enable_prefix_caching {
+            return;
+        }
+        let mut pool = self.pool.borrow_mut();
+        let bs = pool.block_size();
+        let seq = &mut self.running[index];
+        while (seq.hashes.len() + 1) * bs <= target {
+            let b = seq.hashes.len();
+            let h = block_hash(
+                seq.hashes.last().copied(),
+                &seq.tokens[b * bs..(b + 1) * bs],
+            );
+            pool.register(seq.blocks.ids[b], h);
+            seq.hashes.push(h);
+        }
+    }
+
+    /// Forgets every indexed prefix (after a failed step, whose planned blocks were indexed
+    /// but may never have been filled), so no later request shares them.
+    pub fn forget_prefixes(&mut self) {
+        self.pool.borrow_mut().forget_hashes();
+        for seq in self.running.iter_mut().chain(self.waiting.iter_mut()) {
+            seq.hashes.clear();
         }
     }
 
@@ -399,6 +419,45 @@ mod tests {
         let lens: Vec<(usize, usize)> = s.schedule().iter().map(|p| (p.start, p.len)).collect();
         assert_eq!(lens, vec![(8, 1), (0, 2)]);
         assert_eq!(s.running()[1].cached_prompt_tokens, 0);
+    }
+
+    #[test]
+    fn a_prompt_admitted_beside_its_twin_shares_the_blocks_that_step_fills() {
+        // Two 10-token prompts alike (an `n = 2` request) arrive together: the first fills
+        // blocks 0 and 1 this step, the second shares them and computes only its last two.
+        let mut s = sched(64, 8, 64);
+        add(&mut s, 1, 10);
+        add(&mut s, 2, 10);
+        let lens: Vec<(usize, usize)> = s.schedule().iter().map(|p| (p.start, p.len)).collect();
+        assert_eq!(lens, vec![(0, 10), (8, 2)]);
+        let (first, second) = (&s.running()[0], &s.running()[1]);
+        assert_eq!(second.cached_prompt_tokens, 8);
+        assert_eq!(first.blocks()[..2], second.blocks()[..2]);
+        assert_ne!(first.blocks()[2], second.blocks()[2]);
+        // With a 6-token budget the first prompt takes a step alone; in its second step it
+        // fills block 1, and the twin, admitted beside it, shares blocks 0 and 1.
+        let mut s = sched(64, 8, 6);
+        add(&mut s, 1, 10);
+        add(&mut s, 2, 10);
+        let plan = s.schedule();
+        assert_eq!(plan.len(), 1, "the budget went to the first prompt");
+        s.complete(&plan);
+        let lens: Vec<(usize, usize)> = s.schedule().iter().map(|p| (p.start, p.len)).collect();
+        assert_eq!(lens, vec![(6, 4), (8, 2)]);
+    }
+
+    #[test]
+    fn forgotten_prefixes_are_computed_again() {
+        let mut s = sched(64, 8, 64);
+        add(&mut s, 1, 10);
+        assert_eq!(s.schedule().len(), 1);
+        // The step fails: nothing it indexed may be shared.
+        s.forget_prefixes();
+        drop(s.remove_where(|_| true));
+        add(&mut s, 2, 10);
+        let lens: Vec<(usize, usize)> = s.schedule().iter().map(|p| (p.start, p.len)).collect();
+        assert_eq!(lens, vec![(0, 10)]);
+        assert_eq!(s.running()[0].cached_prompt_tokens, 0);
     }
 
     #[test]

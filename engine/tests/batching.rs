@@ -194,6 +194,43 @@ fn a_shared_prefix_is_computed_once_and_changes_nothing() {
 }
 
 #[test]
+fn twins_sent_together_compute_their_prompt_once() {
+    let m = model();
+    let text = m.tokenizer.encode(TEXT, false).expect("encodes");
+    // Four full blocks and six tokens, as the four choices of an `n = 4` request send it.
+    let twin: Vec<u32> = text[..70].to_vec();
+    let want = alone(&m, &twin, 6);
+    let engine = start(small(
+        128,
+        EngineConfig {
+            max_model_len: Some(512),
+            ..EngineConfig::default()
+        },
+    ));
+    // A long prompt (starting elsewhere in the text, so it shares no block with the twins)
+    // keeps the engine busy while the twins are sent, so they reach it together.
+    let blocker: Vec<u32> = text[5..].iter().cycle().take(400).copied().collect();
+    let one = SamplingParams {
+        ignore_eos: true,
+        ..SamplingParams::greedy(1)
+    };
+    let busy = engine.submit(blocker, one).expect("accepted");
+    let before = engine.stats();
+    let got = batched(&engine, &vec![twin; 4], 6);
+    ids(busy);
+    wait_idle(&engine);
+    let after = engine.stats();
+    assert_eq!(got, vec![want; 4]);
+    // The first twin computed its 70 prompt tokens; each other one shared its four full
+    // blocks and computed only the last 6.
+    assert_eq!(
+        after.computed_prompt_tokens - before.computed_prompt_tokens,
+        400 + 70 + 3 * 6,
+        "{after:?}"
+    );
+}
+
+#[test]
 fn dropping_a_request_mid_generation_frees_its_blocks() {
     let m = model();
     let ps = prompts(&m, 3);

@@ -153,6 +153,16 @@ impl BlockPool {
         self.hash_of[block as usize] = Some(hash);
         self.by_hash.insert(hash, block);
     }
+
+    /// Drops every hash: no block can be found by [`BlockPool::lookup`] any more, cached
+    /// blocks become free, and used blocks stay with their holders (unhashed, so they are
+    /// freed rather than cached when released).
+    pub fn forget_hashes(&mut self) {
+        self.by_hash.clear();
+        self.hash_of.iter_mut().for_each(|h| *h = None);
+        self.free
+            .extend(std::mem::take(&mut self.evictable).into_values());
+    }
 }
 
 /// The chained hash of a full block: its tokens together with its prefix's hash, so equal
@@ -196,6 +206,29 @@ mod tests {
     }
 
     #[test]
+    fn forgotten_hashes_are_never_found_and_their_blocks_come_back_free() {
+        let mut pool = BlockPool::new(3, 4);
+        let (a, b) = (pool.allocate().expect("a"), pool.allocate().expect("b"));
+        pool.register(a, 1);
+        pool.register(b, 2);
+        pool.release(a);
+        assert_eq!(
+            (pool.num_free(), pool.num_cached(), pool.num_used()),
+            (1, 1, 1)
+        );
+        pool.forget_hashes();
+        assert_eq!(
+            (pool.num_free(), pool.num_cached(), pool.num_used()),
+            (2, 0, 1)
+        );
+        assert_eq!((pool.lookup(1), pool.lookup(2)), (None, None));
+        // The held block stays with its holder and is freed, not cached, when released.
+        assert_eq!(pool.refcount(b), 1);
+        pool.release(b);
+        assert_eq!((pool.num_free(), pool.num_cached()), (3, 0));
+    }
+
+    #[test]
     fn hashes_chain_over_the_prefix() {
         assert_ne!(block_hash(None, &[1, 2]), block_hash(Some(1), &[1, 2]));
         assert_eq!(block_hash(Some(3), &[1, 2]), block_hash(Some(3), &[1, 2]));
@@ -208,6 +241,7 @@ mod tests {
         Share(usize),
         Register(usize, u8),
         Lookup(u8),
+        Forget,
     }
 
     fn op() -> impl Strategy<Value = Op> {
@@ -217,6 +251,7 @@ mod tests {
             1 => any::<usize>().prop_map(Op::Share),
             2 => (any::<usize>(), any::<u8>()).prop_map(|(i, h)| Op::Register(i, h % 8)),
             2 => any::<u8>().prop_map(|h| Op::Lookup(h % 8)),
+            1 => Just(Op::Forget),
         ]
     }
 
@@ -252,6 +287,13 @@ mod tests {
                     Op::Lookup(h) => {
                         if let Some(b) = pool.lookup(u64::from(h)) {
                             held.push(b);
+                        }
+                    }
+                    Op::Forget => {
+                        pool.forget_hashes();
+                        prop_assert_eq!(pool.num_cached(), 0);
+                        for h in 0..8 {
+                            prop_assert_eq!(pool.lookup(h), None);
                         }
                     }
                     _ => {}

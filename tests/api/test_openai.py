@@ -140,6 +140,34 @@ def test_echo_with_logprobs_scores_the_prompt_as_evaluation_harnesses_ask(client
     assert first.text == prompt and first.logprobs.token_logprobs == lp.token_logprobs[:-1]
 
 
+def test_every_choice_of_a_scored_prompt_carries_scores_computed_once(client, server):
+    # n = 3: the first choice scores the prompt, the others share its scores and its blocks.
+    prompt = " ".join(["The capital of France is Paris."] * 6)
+    hits_name = f'vllm:prefix_cache_hits_total{{model_name="{NAME}"}}'
+    before = server.metrics()[hits_name]
+    ask = dict(model=NAME, prompt=prompt, echo=True, logprobs=1, max_tokens=2, n=3, temperature=0)
+    r = client.completions.create(**ask)
+    scored = r.usage.prompt_tokens
+    first = r.choices[0].logprobs
+    assert [c.index for c in r.choices] == [0, 1, 2]
+    for c in r.choices:
+        assert c.text.startswith(prompt) and c.text == r.choices[0].text
+        assert c.logprobs.tokens == first.tokens and c.logprobs.text_offset == first.text_offset
+        assert c.logprobs.token_logprobs[:scored] == first.token_logprobs[:scored]
+    assert first.token_logprobs[0] is None and all(l <= 0 for l in first.token_logprobs[1:])
+    # The later two choices found the prompt's full 16-token blocks in the prefix cache.
+    full = (scored - 1) // 16 * 16
+    assert full >= 32 and server.metrics()[hits_name] - before >= 2 * full
+    # Streamed, every choice opens with the scored echo, before any of its tokens.
+    seen = {}
+    for chunk in client.completions.create(**ask, stream=True):
+        for c in chunk.choices:
+            seen.setdefault(c.index, c)
+    assert sorted(seen) == [0, 1, 2]
+    for c in seen.values():
+        assert c.text == prompt and c.logprobs.token_logprobs == first.token_logprobs[:scored]
+
+
 def test_chat_logprobs(client):
     r = client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "Hi!"}],
                                        logprobs=True, top_logprobs=3, **GREEDY)

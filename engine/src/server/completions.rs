@@ -95,6 +95,11 @@ fn submit(
             let mut p = params.clone();
             // n choices from one seed must differ yet stay reproducible.
             p.seed = p.seed.map(|s| s.wrapping_add(j.choice as u64));
+            // A prompt is scored once, by its first choice; the others share its scores (and,
+            // unscored, its cached blocks).
+            if j.choice > 0 {
+                p.prompt_logprobs = None;
+            }
             ready
                 .engine
                 .submit(j.prompt.clone(), p)
@@ -278,8 +283,15 @@ async fn respond(
     .await;
     let mut out = Vec::new();
     let (mut completion_tokens, mut cached) = (0, 0);
+    // The scores of the current prompt, from its first choice, for its other choices.
+    let mut scored = None;
     for (job, choice) in plan.jobs.iter().zip(choices) {
-        let c = choice?;
+        let mut c = choice?;
+        if job.choice == 0 {
+            scored.clone_from(&c.prompt);
+        } else {
+            c.prompt.clone_from(&scored);
+        }
         completion_tokens += c.finish.completion_tokens;
         if job.choice == 0 {
             cached += c.finish.cached_tokens;
@@ -390,6 +402,9 @@ fn sse(
         completion_tokens: usize,
         cached: usize,
         offsets: Vec<usize>,
+        /// Events of a scored prompt's later choices, held until the prompt's scores (from
+        /// its first choice) have been echoed for them.
+        held: Vec<Option<Vec<Event>>>,
     }
     let acc = Acc {
         trackers,
@@ -397,61 +412,121 @@ fn sse(
         completion_tokens: 0,
         cached: 0,
         offsets: vec![0; n],
+        held: plan
+            .jobs
+            .iter()
+            .map(|j| (plan.score_prompt && j.choice > 0).then(Vec::new))
+            .collect(),
+    };
+    // Choice `i`'s chunks for one of its events.
+    let render = {
+        let plan = Arc::clone(&plan);
+        let envelope = envelope.clone();
+        move |acc: &mut Acc, i: usize, ev: Event| -> Vec<Value> {
+            match ev {
+                Event::PromptLogprobs(scores) => {
+                    // The echo, scored, for every choice of this prompt.
+                    let job = &plan.jobs[i];
+                    let entries = prompt_entries(&job.prompt, scores);
+                    let logprobs = logprobs_json(&ready, plan.kind, &entries, 0);
+                    let offset = entries
+                        .iter()
+                        .map(|t| ready.tokenizer.token_text(t.id).len())
+                        .sum();
+                    let echo = plan.echo.get(job.prompt_index).map_or("", String::as_str);
+                    let chunk = |k| json!([{"index": k, "text": echo, "logprobs": logprobs, "finish_reason": null}]);
+                    siblings(&plan.jobs, i)
+                        .map(|k| {
+                            acc.offsets[k] = offset;
+                            envelope(chunk(k))
+                        })
+                        .collect()
+                }
+                Event::Token { token, text } => {
+                    acc.trackers[i].token();
+                    let logprobs = plan.logprobs.then(|| {
+                        logprobs_json(
+                            &ready,
+                            plan.kind,
+                            std::slice::from_ref(&token),
+                            acc.offsets[i],
+                        )
+                    });
+                    acc.offsets[i] += ready.tokenizer.token_text(token.id).len();
+                    if text.is_empty() && logprobs.is_none() {
+                        Vec::new()
+                    } else {
+                        vec![envelope(json!([match plan.kind {
+                            Kind::Chat =>
+                                json!({"index": i, "delta": {"content": text}, "logprobs": logprobs, "finish_reason": null}),
+                            Kind::Completion =>
+                                json!({"index": i, "text": text, "logprobs": logprobs, "finish_reason": null}),
+                        }]))]
+                    }
+                }
+                Event::Finished(f) => {
+                    acc.trackers[i].finish(&f);
+                    acc.open -= 1;
+                    acc.completion_tokens += f.completion_tokens;
+                    if plan.jobs[i].choice == 0 {
+                        acc.cached += f.cached_tokens;
+                    }
+                    let reason = f.reason.as_str();
+                    let mut chunks = vec![envelope(json!([match plan.kind {
+                        Kind::Chat =>
+                            json!({"index": i, "delta": {}, "logprobs": null, "finish_reason": reason}),
+                        Kind::Completion =>
+                            json!({"index": i, "text": "", "logprobs": null, "finish_reason": reason}),
+                    }]))];
+                    if acc.open == 0 && plan.include_usage {
+                        let mut u = envelope(json!([]));
+                        u["usage"] =
+                            usage(plan.prompts.iter().sum(), acc.completion_tokens, acc.cached);
+                        chunks.push(u);
+                    }
+                    chunks
+                }
+            }
+        }
+    };
+    // Renders the events held for choice `k`, which need no more holding.
+    let release = {
+        let render = render.clone();
+        move |acc: &mut Acc, k: usize, out: &mut Vec<Value>| {
+            for ev in acc.held[k].take().unwrap_or_default() {
+                out.extend(render(acc, k, ev));
+            }
+        }
     };
     let body = merged
         .scan(acc, {
             let plan = Arc::clone(&plan);
-            let envelope = envelope.clone();
             move |acc, item| {
+                let mut out = Vec::new();
                 let Some((i, ev)) = item else {
+                    for k in 0..acc.held.len() {
+                        release(acc, k, &mut out);
+                    }
                     // Streams that ended without finishing lost their engine: say so rather
                     // than end as if complete.
-                    let lost = (acc.open > 0)
-                        .then(|| ApiError::from(crate::Error::EngineStopped).body());
-                    return futures::future::ready(Some(lost.into_iter().collect()));
+                    out.extend(
+                        (acc.open > 0).then(|| ApiError::from(crate::Error::EngineStopped).body()),
+                    );
+                    return futures::future::ready(Some(out));
                 };
-                let out = match ev {
-                    Event::PromptLogprobs(scores) => {
-                        let job = &plan.jobs[i];
-                        let entries = prompt_entries(&job.prompt, scores);
-                        let logprobs = logprobs_json(&ready, plan.kind, &entries, 0);
-                        acc.offsets[i] = entries.iter().map(|t| ready.tokenizer.token_text(t.id).len()).sum();
-                        let echo = plan.echo.get(job.prompt_index).map_or("", String::as_str);
-                        vec![envelope(json!([{"index": i, "text": echo, "logprobs": logprobs, "finish_reason": null}]))]
+                if let Some(held) = acc.held[i].as_mut() {
+                    held.push(ev);
+                    return futures::future::ready(Some(out));
+                }
+                // A first choice's scores (or its end, if none came) free its siblings.
+                let frees = plan.jobs[i].choice == 0
+                    && matches!(ev, Event::PromptLogprobs(_) | Event::Finished(_));
+                out.extend(render(acc, i, ev));
+                if frees {
+                    for k in siblings(&plan.jobs, i) {
+                        release(acc, k, &mut out);
                     }
-                    Event::Token { token, text } => {
-                        acc.trackers[i].token();
-                        let logprobs = plan.logprobs.then(|| logprobs_json(&ready, plan.kind, std::slice::from_ref(&token), acc.offsets[i]));
-                        acc.offsets[i] += ready.tokenizer.token_text(token.id).len();
-                        if text.is_empty() && logprobs.is_none() {
-                            Vec::new()
-                        } else {
-                            vec![envelope(json!([match plan.kind {
-                                Kind::Chat => json!({"index": i, "delta": {"content": text}, "logprobs": logprobs, "finish_reason": null}),
-                                Kind::Completion => json!({"index": i, "text": text, "logprobs": logprobs, "finish_reason": null}),
-                            }]))]
-                        }
-                    }
-                    Event::Finished(f) => {
-                        acc.trackers[i].finish(&f);
-                        acc.open -= 1;
-                        acc.completion_tokens += f.completion_tokens;
-                        if plan.jobs[i].choice == 0 {
-                            acc.cached += f.cached_tokens;
-                        }
-                        let reason = f.reason.as_str();
-                        let mut chunks = vec![envelope(json!([match plan.kind {
-                            Kind::Chat => json!({"index": i, "delta": {}, "logprobs": null, "finish_reason": reason}),
-                            Kind::Completion => json!({"index": i, "text": "", "logprobs": null, "finish_reason": reason}),
-                        }]))];
-                        if acc.open == 0 && plan.include_usage {
-                            let mut u = envelope(json!([]));
-                            u["usage"] = usage(plan.prompts.iter().sum(), acc.completion_tokens, acc.cached);
-                            chunks.push(u);
-                        }
-                        chunks
-                    }
-                };
+                }
                 futures::future::ready(Some(out))
             }
         })
@@ -565,6 +640,12 @@ pub async fn chat(State(state): State<Arc<AppState>>, body: Bytes) -> Result<Res
         include_usage,
     };
     respond(Arc::clone(&state), ready, plan, params, stream).await
+}
+
+/// The indexes of the jobs that share job `i`'s prompt, `i` among them.
+fn siblings(jobs: &[Job], i: usize) -> impl Iterator<Item = usize> + '_ {
+    let prompt = jobs[i].prompt_index;
+    (0..jobs.len()).filter(move |&k| jobs[k].prompt_index == prompt)
 }
 
 fn jobs(prompts: &[Vec<u32>], n: usize) -> Vec<Job> {

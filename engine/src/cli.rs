@@ -550,12 +550,14 @@ fn generate(args: GenerateArgs) -> Result<()> {
         .collect::<Result<Vec<_>>>()?;
     let io = |e: std::io::Error| Error::InvalidParameter(format!("cannot write to stdout: {e}"));
     let mut out = std::io::stdout();
-    let (mut first_token, mut generated) = (None, 0usize);
+    // Each request's first token time, and the prompt tokens served from the prefix cache.
+    let (mut firsts, mut generated, mut cached) = (Vec::new(), 0usize, 0usize);
     let single = streams.len() == 1;
     for (i, mut stream) in streams.into_iter().enumerate() {
         if !single {
             writeln!(out, "--- {} ---", i + 1).map_err(io)?;
         }
+        let mut first_token = None;
         while let Some(ev) = stream.next_blocking() {
             match ev {
                 Event::Token { text, .. } => {
@@ -572,19 +574,35 @@ fn generate(args: GenerateArgs) -> Result<()> {
                     if single {
                         eprintln!("finish: {}", f.reason.as_str());
                     }
+                    cached += f.cached_tokens;
                     break;
                 }
             }
         }
+        firsts.extend(first_token);
     }
     let end = std::time::Instant::now();
-    let first = first_token.unwrap_or(end);
     let prompt_tokens: usize = prompts.iter().map(Vec::len).sum();
-    eprintln!(
-        "prompt: {prompt_tokens} tokens, {:.1} tok/s | decode: {generated} tokens, {:.1} tok/s | {} request(s)",
-        prompt_tokens as f64 / (first - start).as_secs_f64().max(1e-9),
-        generated.saturating_sub(prompts.len()) as f64 / (end - first).as_secs_f64().max(1e-9),
-        prompts.len()
-    );
+    let seconds = |t: std::time::Instant| (t - start).as_secs_f64();
+    if let ([first], true) = (firsts.as_slice(), single) {
+        eprintln!(
+            "prompt: {prompt_tokens} tokens, {:.1} tok/s | decode: {generated} tokens, {:.1} tok/s",
+            prompt_tokens as f64 / seconds(*first).max(1e-9),
+            generated.saturating_sub(1) as f64 / (end - *first).as_secs_f64().max(1e-9),
+        );
+    } else {
+        // Many requests share steps, so their prompts and decodes overlap: whole-run figures.
+        let (soonest, latest) = firsts.iter().fold((f64::INFINITY, 0f64), |(lo, hi), &t| {
+            (lo.min(seconds(t)), hi.max(seconds(t)))
+        });
+        let total = seconds(end);
+        eprintln!(
+            "{} request(s) in {total:.2} s: prompts {prompt_tokens} tokens ({cached} from the prefix cache), {generated} tokens generated, {:.1} output tok/s | first tokens after {:.2}–{:.2} s",
+            prompts.len(),
+            generated as f64 / total.max(1e-9),
+            soonest.min(latest),
+            latest
+        );
+    }
     Ok(())
 }

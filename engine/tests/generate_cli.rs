@@ -1,5 +1,6 @@
 //! `ferrite-engine generate` refuses flags out of range with an error naming the flag and
-//! what it allows, and accepts the negative values the OpenAI sampling ranges include.
+//! what it allows, accepts the negative values the OpenAI sampling ranges include, and sums
+//! up a run of many prompts in whole-run figures.
 
 mod common;
 
@@ -77,4 +78,25 @@ fn logit_bias_from_the_command_line_forces_a_token() {
         "3575=100",
     ]);
     assert!(ok && out.contains(" capital capital"), "{out}");
+}
+
+#[test]
+fn many_prompts_report_whole_run_figures_with_the_prefix_cache_s_share() {
+    // Three copies of a 40-token prompt: the first computes it, the others share its two
+    // full blocks (32 tokens each) in the same step.
+    let prompt = "one two three four five six seven eight nine ten ".repeat(4);
+    let (ok, out) = generate(&["--prompt", prompt.trim(), "--num-prompts", "3"]);
+    assert!(ok, "{out}");
+    let summary = out
+        .lines()
+        .find(|l| l.starts_with("3 request(s) in "))
+        .unwrap_or_else(|| panic!("no summary line: {out}"));
+    assert!(
+        summary.contains("(64 from the prefix cache), 6 tokens generated"),
+        "{summary}"
+    );
+    assert!(
+        summary.contains("output tok/s | first tokens after "),
+        "{summary}"
+    );
 }

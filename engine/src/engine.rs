@@ -528,11 +528,8 @@ impl EngineLoop {
             drop(self.sched.remove_where(|s| s.sink.events.is_closed()));
             if let Err(e) = self.step() {
                 tracing::error!("engine step failed: {e}");
-                // Blocks indexed for this step may never have been filled: no later request
-                // may share them.
-                self.sched.forget_prefixes();
                 // Nothing can be computed reliably any more: end every request with abort.
-                for seq in self.sched.remove_where(|_| true) {
+                for seq in self.sched.abort_all() {
                     let (p, n, c) = (seq.prompt_len, seq.tokens.len(), seq.cached_prompt_tokens);
                     seq.sink.finish(p, n, c, FinishReason::Abort);
                 }

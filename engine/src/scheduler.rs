@@ -212,7 +212,6 @@ impl<E> Scheduler<E> {
             }
             let target = seq.computed + want;
             if self.grow(i, target) {
-                self.index_blocks(i, target);
                 plan.push(Scheduled {
                     index: i,
                     start: self.running[i].computed,
@@ -256,7 +255,6 @@ impl<E> Scheduler<E> {
                 }
                 break;
             }
-            self.index_blocks(index, target);
             plan.push(Scheduled {
                 index,
                 start: self.running[index].computed,
@@ -274,20 +272,39 @@ impl<E> Scheduler<E> {
         }
     }
 
-    /// Indexes the blocks of running sequence `index` that its first `target` tokens fill,
-    /// as soon as the step that computes them is planned (as vLLM does), so a request
-    /// admitted later in the same step — another choice of an `n > 1` request, or the same
-    /// prompt sent twice at once — shares them instead of computing them again. This is
-    /// sound because a step stores every sequence's keys and values of a layer before any
-    /// of them attends: the sharer reads blocks the same step has just filled.
-    fn index_blocks(&mut self, index: usize, target: usize) {
-        if !self.config.enable_prefix_caching {
-            return;
-        }
+    /// Removes (and returns) every sequence after a step that failed, and forgets every
+    /// indexed prefix: the failed step's blocks were indexed when it was planned but may
+    /// never have been filled, so no later request may share them.
+    pub fn abort_all(&mut self) -> Vec<Sequence<E>> {
+        self.pool.borrow_mut().forget_hashes();
+        self.running
+            .drain(..)
+            .chain(self.waiting.drain(..))
+            .collect()
+    }
+
+    /// Ensures running sequence `index` has blocks for `tokens` tokens, and with prefix
+    /// caching indexes the blocks those tokens fill as soon as the step that computes them
+    /// is planned (as vLLM does): a request admitted later in the same step — another
+    /// choice of an `n > 1` request, or the same prompt sent twice at once — shares them
+    /// instead of computing them again. This is sound because a step stores every
+    /// sequence's keys and values of a layer before any of them attends, so the sharer
+    /// reads blocks the same step has just filled.
+    fn grow(&mut self, index: usize, tokens: usize) -> bool {
         let mut pool = self.pool.borrow_mut();
         let bs = pool.block_size();
         let seq = &mut self.running[index];
-        while (seq.hashes.len() + 1) * bs <= target {
+        let need = tokens.div_ceil(bs).saturating_sub(seq.blocks.ids.len());
+        if need > pool.num_available() {
+            return false;
+        }
+        for _ in 0..need {
+            match pool.allocate() {
+                Some(id) => seq.blocks.ids.push(id),
+                None => return false,
+            }
+        }
+        while self.config.enable_prefix_caching && (seq.hashes.len() + 1) * bs <= tokens {
             let b = seq.hashes.len();
             let h = block_hash(
                 seq.hashes.last().copied(),
@@ -295,33 +312,6 @@ impl<E> Scheduler<E> {
             );
             pool.register(seq.blocks.ids[b], h);
             seq.hashes.push(h);
-        }
-    }
-
-    /// Forgets every indexed prefix (after a failed step, whose planned blocks were indexed
-    /// but may never have been filled), so no later request shares them.
-    pub fn forget_prefixes(&mut self) {
-        self.pool.borrow_mut().forget_hashes();
-        for seq in self.running.iter_mut().chain(self.waiting.iter_mut()) {
-            seq.hashes.clear();
-        }
-    }
-
-    /// Ensures sequence `index` has blocks for `tokens` tokens.
-    fn grow(&mut self, index: usize, tokens: usize) -> bool {
-        let mut pool = self.pool.borrow_mut();
-        let table = &mut self.running[index].blocks;
-        let need = tokens
-            .div_ceil(pool.block_size())
-            .saturating_sub(table.ids.len());
-        if need > pool.num_available() {
-            return false;
-        }
-        for _ in 0..need {
-            match pool.allocate() {
-                Some(id) => table.ids.push(id),
-                None => return false,
-            }
         }
         true
     }
@@ -451,9 +441,9 @@ mod tests {
         let mut s = sched(64, 8, 64);
         add(&mut s, 1, 10);
         assert_eq!(s.schedule().len(), 1);
-        // The step fails: nothing it indexed may be shared.
-        s.forget_prefixes();
-        drop(s.remove_where(|_| true));
+        // The step fails: every sequence goes, and nothing the step indexed may be shared.
+        assert_eq!(s.abort_all().len(), 1);
+        assert!(s.is_idle());
         add(&mut s, 2, 10);
         let lens: Vec<(usize, usize)> = s.schedule().iter().map(|p| (p.start, p.len)).collect();
         assert_eq!(lens, vec![(0, 10)]);

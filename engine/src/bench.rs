@@ -135,11 +135,12 @@ struct Load {
     waste_first: f64,
     /// The same, averaged over every step that held the peak allocation.
     waste_mean: f64,
-    /// Output tokens/s of the decode phase: the tokens that arrived after the last
-    /// request's first token, over the time from then to the end. Once every prompt has
-    /// been prefilled, every step only decodes, so this is what batching does to decoding
-    /// alone; the whole-run figure also carries the prompts' processing.
-    decode_per_s: f64,
+    /// For a burst, output tokens/s of the decode phase: the tokens that arrived after the
+    /// last request's first token, over the time from then to the end. Once every prompt
+    /// has been prefilled, every step only decodes, so this is what batching does to
+    /// decoding alone; the whole-run figure also carries the prompts' processing. Steady
+    /// traffic has no such phase: new prompts keep arriving until its end.
+    decode_per_s: Option<f64>,
 }
 
 impl Load {
@@ -150,16 +151,10 @@ impl Load {
     /// its KV waste at the peak's first step and mean.
     fn row(label: &str, runs: &[Load], single: &[Load], range: bool, ttft_ratio: bool) -> String {
         let (this, one) = (Load::median(runs), Load::median(single));
-        // The decode phase of a burst, from the same (median) runs; the steady table has
-        // none, as new prompts keep arriving until its end.
-        let decode = if ttft_ratio {
-            String::new()
-        } else {
-            format!(
-                " {:.1} ({:.2}×) |",
-                this.decode_per_s,
-                this.decode_per_s / one.decode_per_s.max(1e-9)
-            )
+        // The decode phase of a burst, from the same (median) runs.
+        let decode = match (this.decode_per_s, one.decode_per_s) {
+            (Some(d), Some(o)) => format!(" {d:.1} ({:.2}×) |", d / o.max(1e-9)),
+            _ => String::new(),
         };
         let per_round = |l: &Load, s: &Load| l.tokens_per_s / s.tokens_per_s.max(1e-9);
         let spread = if range && runs.len() > 1 {
@@ -360,7 +355,7 @@ fn run_load(
         ttft_p90: percentile(&t, 0.9),
         waste_first: 1.0 - st.filled_at_peak as f64 / peak,
         waste_mean: 1.0 - mean_fill / peak,
-        decode_per_s: decode_rate(&all, elapsed),
+        decode_per_s: (arrival == Arrival::Burst).then(|| decode_rate(&all, elapsed)),
     })
 }
 
@@ -533,12 +528,13 @@ mod tests {
             decode_per_s,
             ..Load::default()
         };
-        let single = [with_decode(100.0, 120.0)];
-        let sixteen = [with_decode(250.0, 360.0)];
+        let single = [with_decode(100.0, Some(120.0))];
+        let sixteen = [with_decode(250.0, Some(360.0))];
         let row = Load::row("16", &sixteen, &single, false, false);
         assert!(row.contains("| 360.0 (3.00×) |"), "{row}");
-        // The steady table has no decode-phase column.
-        let row = Load::row("16", &sixteen, &single, false, true);
-        assert!(!row.contains("360.0"), "{row}");
+        // Steady traffic has no decode phase: its rows keep the steady table's 7 columns.
+        let steady = [with_decode(250.0, None)];
+        let row = Load::row("16", &steady, &[with_decode(100.0, None)], false, true);
+        assert_eq!(row.matches('|').count(), 7 + 1, "{row}");
     }
 }

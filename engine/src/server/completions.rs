@@ -283,14 +283,15 @@ async fn respond(
     .await;
     let mut out = Vec::new();
     let (mut completion_tokens, mut cached) = (0, 0);
-    // The scores of the current prompt, from its first choice, for its other choices.
+    // The scores of the current prompt, from its first choice, for its other choices (kept
+    // only when it has others: a lone choice's scores are not copied).
     let mut scored = None;
-    for (job, choice) in plan.jobs.iter().zip(choices) {
+    for (k, (job, choice)) in plan.jobs.iter().zip(choices).enumerate() {
         let mut c = choice?;
-        if job.choice == 0 {
-            scored.clone_from(&c.prompt);
-        } else {
+        if job.choice > 0 {
             c.prompt.clone_from(&scored);
+        } else if plan.jobs.get(k + 1).is_some_and(|next| next.choice > 0) {
+            scored.clone_from(&c.prompt);
         }
         completion_tokens += c.finish.completion_tokens;
         if job.choice == 0 {

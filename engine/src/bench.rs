@@ -135,12 +135,32 @@ struct Load {
     waste_first: f64,
     /// The same, averaged over every step that held the peak allocation.
     waste_mean: f64,
-    /// For a burst, output tokens/s of the decode phase: the tokens that arrived after the
-    /// last request's first token, over the time from then to the end. Once every prompt
-    /// has been prefilled, every step only decodes, so this is what batching does to
-    /// decoding alone; the whole-run figure also carries the prompts' processing. Steady
-    /// traffic has no such phase: new prompts keep arriving until its end.
-    decode_per_s: Option<f64>,
+    /// For a burst, its prompt and decode phases. Steady traffic has no such split: new
+    /// prompts keep arriving until its end.
+    burst: Option<Phases>,
+}
+
+/// A burst split at the last request's first token. Once every prompt has been prefilled,
+/// every step only decodes, so the decode phase is what batching does to decoding alone;
+/// the whole-run figure also carries the prompts' processing.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+struct Phases {
+    /// Seconds from the start to the last request's first token.
+    prompts_s: f64,
+    /// Tokens that arrived after it.
+    decode_tokens: usize,
+    /// Seconds from it to the end.
+    decode_s: f64,
+}
+
+impl Phases {
+    /// Output tokens/s of the decode phase (0 when no token came in it).
+    fn decode_per_s(&self) -> f64 {
+        match self.decode_tokens {
+            0 => 0.0,
+            n => n as f64 / self.decode_s.max(1e-9),
+        }
+    }
 }
 
 impl Load {
@@ -152,8 +172,11 @@ impl Load {
     fn row(label: &str, runs: &[Load], single: &[Load], range: bool, ttft_ratio: bool) -> String {
         let (this, one) = (Load::median(runs), Load::median(single));
         // The decode phase of a burst, from the same (median) runs.
-        let decode = match (this.decode_per_s, one.decode_per_s) {
-            (Some(d), Some(o)) => format!(" {d:.1} ({:.2}×) |", d / o.max(1e-9)),
+        let decode = match (this.burst, one.burst) {
+            (Some(b), Some(o)) => {
+                let (d, o) = (b.decode_per_s(), o.decode_per_s());
+                format!(" {d:.1} ({:.2}×) |", d / o.max(1e-9))
+            }
             _ => String::new(),
         };
         let per_round = |l: &Load, s: &Load| l.tokens_per_s / s.tokens_per_s.max(1e-9);
@@ -231,9 +254,8 @@ struct Received {
     arrivals: Vec<f64>,
 }
 
-/// Output tokens/s after the last request's first token: the tokens that arrived later,
-/// over the time from then until `elapsed` (0 when no token came after it).
-fn decode_rate(requests: &[Received], elapsed: f64) -> f64 {
+/// A burst of `requests` that ended at `elapsed`, split at the last request's first token.
+fn phases(requests: &[Received], elapsed: f64) -> Phases {
     let last_first = requests
         .iter()
         .filter_map(|r| r.arrivals.first().copied())
@@ -243,10 +265,11 @@ fn decode_rate(requests: &[Received], elapsed: f64) -> f64 {
         .flat_map(|r| &r.arrivals)
         .filter(|&&t| t > last_first)
         .count();
-    if later == 0 {
-        return 0.0;
+    Phases {
+        prompts_s: last_first,
+        decode_tokens: later,
+        decode_s: elapsed - last_first,
     }
-    later as f64 / (elapsed - last_first).max(1e-9)
 }
 
 fn run_load(
@@ -355,7 +378,7 @@ fn run_load(
         ttft_p90: percentile(&t, 0.9),
         waste_first: 1.0 - st.filled_at_peak as f64 / peak,
         waste_mean: 1.0 - mean_fill / peak,
-        decode_per_s: (arrival == Arrival::Burst).then(|| decode_rate(&all, elapsed)),
+        burst: (arrival == Arrival::Burst).then(|| phases(&all, elapsed)),
     })
 }
 
@@ -420,6 +443,7 @@ fn batching(args: &BenchArgs, mut prompt: Vec<u32>) -> Result<()> {
         let label = format!("naive: {} requests, --max-num-seqs 1", args.naive_requests);
         println!("{}", Load::row(&label, naive, single, true, false));
     }
+    products_table(path, &args.concurrency, &runs)?;
     if args.rounds == 0 {
         return Ok(());
     }
@@ -437,6 +461,72 @@ fn batching(args: &BenchArgs, mut prompt: Vec<u32>) -> Result<()> {
     println!("|---|---|---|---|---|---|---|");
     print_rows(&args.concurrency, &runs, true);
     Ok(())
+}
+
+/// Runs of a step's weight products timed for each concurrency; the table gives their median.
+const PRODUCT_RUNS: usize = 9;
+
+/// Prints, for each burst of the table before it, its decode step beside the model's weight
+/// products alone on as many rows, and what the burst's ratios to one request would be if
+/// every decode step cost only its products.
+fn products_table(path: &std::path::Path, concurrency: &[usize], runs: &[Vec<Load>]) -> Result<()> {
+    let Some(single) = runs.first().map(|r| Load::median(r)) else {
+        return Ok(());
+    };
+    let loaded = crate::model::load(path, &Device::Cpu)?;
+    println!();
+    println!("Where a decode step goes: each burst's decode step (its requests over its decode-phase tok/s, from the median run above) beside the model's weight products alone — every projection of a step, on stand-in inputs of as many rows, the median of {PRODUCT_RUNS} runs; the rest is attention, norms, sampling and the engine's own work. The last two columns are what the burst's × single figures would become if every decode step cost only its products and the prompts what they took here: ceilings that no saving outside the products can pass.");
+    println!();
+    println!("| concurrent requests | decode step | its weight products | the rest | decode phase × single's, at the products' pace | whole run × single, likewise |");
+    println!("|---|---|---|---|---|---|");
+    for (&c, runs) in concurrency.iter().zip(runs) {
+        let this = Load::median(runs);
+        if this.burst.is_none_or(|b| b.decode_tokens == 0) {
+            continue;
+        }
+        let products = time_products(&loaded.model, c.max(1))?;
+        if let Some(row) = products_row(c.max(1), &this, &single, products) {
+            println!("{row}");
+        }
+    }
+    Ok(())
+}
+
+/// Seconds one step's weight products take on `rows` rows: the median of [`PRODUCT_RUNS`]
+/// runs after one to warm up.
+fn time_products(model: &crate::model::llama::Llama, rows: usize) -> Result<f64> {
+    model.run_products(rows)?;
+    let mut times = Vec::with_capacity(PRODUCT_RUNS);
+    for _ in 0..PRODUCT_RUNS {
+        let t = Instant::now();
+        model.run_products(rows)?;
+        times.push(t.elapsed().as_secs_f64());
+    }
+    times.sort_by(f64::total_cmp);
+    Ok(times[times.len() / 2])
+}
+
+/// The row of [`products_table`] for a burst of `c` requests (`this`, against the single
+/// request's `single`) whose step products take `products` seconds; none without a decode
+/// phase on both sides.
+fn products_row(c: usize, this: &Load, single: &Load, products: f64) -> Option<String> {
+    let (b, one) = (this.burst?, single.burst?);
+    let (rate, one_rate) = (b.decode_per_s(), one.decode_per_s());
+    if rate <= 0.0 || one_rate <= 0.0 || single.tokens_per_s <= 0.0 {
+        return None;
+    }
+    let step = c as f64 / rate;
+    // At the products' pace the decode phase's tokens take `products` per step of `c`.
+    let decode_ceiling = c as f64 / products.max(1e-12) / one_rate;
+    let tokens = this.tokens_per_s * (b.prompts_s + b.decode_s);
+    let elapsed = b.prompts_s + b.decode_tokens as f64 * products / c as f64;
+    let whole_ceiling = tokens / elapsed.max(1e-12) / single.tokens_per_s;
+    Some(format!(
+        "| {c} | {:.2} ms | {:.2} ms | {:.2} ms | {decode_ceiling:.2}× | {whole_ceiling:.2}× |",
+        1e3 * step,
+        1e3 * products,
+        1e3 * (step - products)
+    ))
 }
 
 /// Prints a row per concurrency from its runs, each against the first row's (the single
@@ -512,29 +602,68 @@ mod tests {
             },
         ];
         // After 2.0 s: 2.5, 3.0 (first request), 3.0, 4.0 (second): 4 tokens in 2 s.
-        assert_eq!(decode_rate(&requests, 4.0), 2.0);
+        let split = phases(&requests, 4.0);
+        assert_eq!(
+            split,
+            Phases {
+                prompts_s: 2.0,
+                decode_tokens: 4,
+                decode_s: 2.0
+            }
+        );
+        assert_eq!(split.decode_per_s(), 2.0);
         // A lone token per request leaves no decode phase.
         let lone = [Received {
             ttft: Some(1.0),
             arrivals: vec![1.0],
         }];
-        assert_eq!(decode_rate(&lone, 1.0), 0.0);
+        assert_eq!(phases(&lone, 1.0).decode_per_s(), 0.0);
+    }
+
+    /// A burst's run: `decode_tokens` in `decode_s` after `prompts_s`.
+    fn burst(tokens_per_s: f64, prompts_s: f64, decode_tokens: usize, decode_s: f64) -> Load {
+        Load {
+            tokens_per_s,
+            burst: Some(Phases {
+                prompts_s,
+                decode_tokens,
+                decode_s,
+            }),
+            ..Load::default()
+        }
     }
 
     #[test]
     fn burst_rows_give_the_decode_phase_against_the_single_requests() {
-        let with_decode = |tokens_per_s, decode_per_s| Load {
-            tokens_per_s,
-            decode_per_s,
-            ..Load::default()
-        };
-        let single = [with_decode(100.0, Some(120.0))];
-        let sixteen = [with_decode(250.0, Some(360.0))];
+        let single = [burst(100.0, 0.1, 120, 1.0)];
+        let sixteen = [burst(250.0, 1.0, 720, 2.0)];
         let row = Load::row("16", &sixteen, &single, false, false);
         assert!(row.contains("| 360.0 (3.00×) |"), "{row}");
         // Steady traffic has no decode phase: its rows keep the steady table's 7 columns.
-        let steady = [with_decode(250.0, None)];
-        let row = Load::row("16", &steady, &[with_decode(100.0, None)], false, true);
+        let steady = [load(250.0)];
+        let row = Load::row("16", &steady, &[load(100.0)], false, true);
         assert_eq!(row.matches('|').count(), 7 + 1, "{row}");
+    }
+
+    #[test]
+    fn a_products_row_splits_the_decode_step_and_gives_the_ceilings_at_the_products_pace() {
+        // One request decodes 100 tok/s and gets 100 tok/s over its whole run.
+        let single = burst(100.0, 0.5, 150, 1.5);
+        // Four requests: 400 tokens in 2 s after 1 s of prompts, 150 tok/s over the run
+        // (450 tokens in 3 s); a step of four takes 4 / 200 = 20 ms, 10 of them products.
+        let four = burst(150.0, 1.0, 400, 2.0);
+        let row = products_row(4, &four, &single, 0.010);
+        // At 10 ms a step the decode phase runs 400 tok/s (4.00× one request's 100) and the
+        // run takes 1 + 100 × 0.010 = 2 s: 225 tok/s, 2.25× one request's 100.
+        assert_eq!(
+            row.as_deref(),
+            Some("| 4 | 20.00 ms | 10.00 ms | 10.00 ms | 4.00× | 2.25× |")
+        );
+        // Without a decode phase there is no step to split.
+        assert_eq!(products_row(4, &load(150.0), &single, 0.010), None);
+        assert_eq!(
+            products_row(4, &burst(150.0, 1.0, 0, 0.0), &single, 0.010),
+            None
+        );
     }
 }

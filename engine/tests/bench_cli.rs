@@ -1,7 +1,7 @@
 //! `ferrite-engine bench` prints every table `make bench` puts in the README: the
-//! single-stream figures, the burst batching table and the steady-traffic table, with a row
-//! per concurrency and the ratios to one request (over repeated rounds, the medians' ratio
-//! and the range of the rounds' own).
+//! single-stream figures, the burst batching table, the split of each burst's decode step
+//! and the steady-traffic table, with a row per concurrency and the ratios to one request
+//! (over repeated rounds, the medians' ratio and the range of the rounds' own).
 
 mod common;
 
@@ -60,17 +60,34 @@ fn bench_prints_burst_and_steady_tables_with_a_row_per_concurrency() {
     ] {
         assert!(stdout.contains(want), "missing {want:?} in:\n{stdout}");
     }
-    let rows = |c: &str| stdout.lines().filter(|l| l.starts_with(c)).count();
-    // One row per concurrency in each of the two batching tables; the first is the baseline.
-    assert_eq!(rows("| 1 | "), 2, "{stdout}");
-    assert_eq!(rows("| 3 | "), 2, "{stdout}");
-    assert!(
+    // Rows that split a decode step (times in ms) apart from the rows of ratios.
+    let step_rows = |c: &str| -> Vec<&str> {
         stdout
             .lines()
-            .filter(|l| l.starts_with("| 1 | "))
-            .all(|l| l.contains("| 1.00× |")),
+            .filter(|l| l.starts_with(c) && l.contains(" ms |"))
+            .collect()
+    };
+    let ratio_rows = |c: &str| -> Vec<&str> {
+        stdout
+            .lines()
+            .filter(|l| l.starts_with(c) && !l.contains(" ms |"))
+            .collect()
+    };
+    // One row per concurrency in each of the two batching tables; the first is the baseline.
+    assert_eq!(ratio_rows("| 1 | ").len(), 2, "{stdout}");
+    assert_eq!(ratio_rows("| 3 | ").len(), 2, "{stdout}");
+    assert!(
+        ratio_rows("| 1 | ").iter().all(|l| l.contains("| 1.00× |")),
         "{stdout}"
     );
+    // And one per burst that splits its decode step: step, products, rest, two ceilings.
+    assert!(stdout.contains("Where a decode step goes"), "{stdout}");
+    for c in ["| 1 | ", "| 3 | "] {
+        let rows = step_rows(c);
+        assert_eq!(rows.len(), 1, "{stdout}");
+        assert_eq!(rows[0].matches(" ms |").count(), 3, "{stdout}");
+        assert_eq!(rows[0].matches("× |").count(), 2, "{stdout}");
+    }
 }
 
 #[test]
@@ -97,11 +114,10 @@ fn zero_naive_requests_and_zero_rounds_skip_those_rows() {
     assert!(stdout.contains("all requests sent at once"), "{stdout}");
     assert!(!stdout.contains("naive"), "{stdout}");
     assert!(!stdout.contains("Steady traffic"), "{stdout}");
-    assert_eq!(
-        stdout.lines().filter(|l| l.starts_with("| 1 | ")).count(),
-        1,
-        "{stdout}"
-    );
+    // The burst's row, and the split of its decode step.
+    let rows: Vec<&str> = stdout.lines().filter(|l| l.starts_with("| 1 | ")).collect();
+    assert_eq!(rows.len(), 2, "{stdout}");
+    assert!(rows[1].contains(" ms |"), "{stdout}");
 }
 
 #[test]

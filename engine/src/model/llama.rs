@@ -493,6 +493,34 @@ impl Llama {
     }
 }
 
+impl Llama {
+    /// Runs every weight product of one step of `rows` tokens — each layer's Q/K/V, output,
+    /// gate/up and down projections, then the vocabulary projection — on stand-in inputs,
+    /// and nothing else (no attention, norms or sampling). The benchmark times it to set a
+    /// step's products apart from the rest: with quantized weights their cost does not
+    /// depend on the values, only on the rows.
+    pub fn run_products(&self, rows: usize) -> Result<()> {
+        let c = &self.config;
+        let dev = &self.device;
+        let (h, attn, inter) = (c.hidden_size, c.num_heads * c.head_dim, c.intermediate_size);
+        // Values spread over [-1, 1), so activation quantization sees ordinary rows.
+        let input = |cols: usize| -> Vec<f32> {
+            (0..rows * cols)
+                .map(|i| (i * 7919 % 2003) as f32 / 1001.5 - 1.0)
+                .collect()
+        };
+        let (xh, xa, xi) = (input(h), input(attn), input(inter));
+        for b in &self.blocks {
+            recycle(b.qkv.forward(&xh, h, dev)?);
+            recycle(b.o.forward_rows(&xa, attn, dev)?);
+            recycle(b.gate_up.forward(&xh, h, dev)?);
+            recycle(b.down.forward_rows(&xi, inter, dev)?);
+        }
+        recycle(self.lm_head.forward_rows(&xh, h, dev)?);
+        Ok(())
+    }
+}
+
 /// RMSNorm with ggml's arithmetic: squares in f32 summed in f64, `1 / sqrt(mean + eps)` in
 /// f32, the row scaled, then multiplied by the weight (activation quantization downstream
 /// sees bit-identical inputs, so GGUF models reproduce llama.cpp).

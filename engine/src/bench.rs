@@ -138,6 +138,10 @@ struct Load {
     /// For a burst, its prompt and decode phases. Steady traffic has no such split: new
     /// prompts keep arriving until its end.
     burst: Option<Phases>,
+    /// Seconds the model's weight products alone take on as many rows as the load has
+    /// clients, timed right after the load (so on the same phase of a shared machine), where
+    /// its setup asks for it.
+    products_s: Option<f64>,
 }
 
 /// A burst split at the last request's first token. Once every prompt has been prefilled,
@@ -225,6 +229,8 @@ struct Setup {
     config: EngineConfig,
     clients: usize,
     arrival: Arrival,
+    /// Whether to time the weight products on `clients` rows after each run.
+    time_products: bool,
 }
 
 /// Runs every setup `rounds` times, each round running each setup once in turn, so that
@@ -237,10 +243,21 @@ fn measure(
     rounds: usize,
 ) -> Result<Vec<Vec<Load>>> {
     let mut runs = vec![Vec::with_capacity(rounds); setups.len()];
+    // The model whose products are timed, loaded once (the engine of each run loads its own).
+    let mut model = None;
     for _ in 0..rounds.max(1) {
         for (s, runs) in setups.iter().zip(&mut runs) {
             let (config, len) = (s.config.clone(), prompt.len());
-            runs.push(run_load(path, config, prompt, s.clients, s.arrival, len)?);
+            let mut load = run_load(path, config, prompt, s.clients, s.arrival, len)?;
+            if s.time_products {
+                if model.is_none() {
+                    model = Some(crate::model::load(path, &Device::Cpu)?);
+                }
+                if let Some(loaded) = &model {
+                    load.products_s = Some(time_products(&loaded.model, s.clients)?);
+                }
+            }
+            runs.push(load);
         }
     }
     Ok(runs)
@@ -379,6 +396,7 @@ fn run_load(
         waste_first: 1.0 - st.filled_at_peak as f64 / peak,
         waste_mean: 1.0 - mean_fill / peak,
         burst: (arrival == Arrival::Burst).then(|| phases(&all, elapsed)),
+        products_s: None,
     })
 }
 
@@ -411,6 +429,7 @@ fn batching(args: &BenchArgs, mut prompt: Vec<u32>) -> Result<()> {
                 config: base.clone(),
                 clients: c.max(1),
                 arrival,
+                time_products: arrival == Arrival::Burst,
             })
             .collect()
     };
@@ -423,6 +442,7 @@ fn batching(args: &BenchArgs, mut prompt: Vec<u32>) -> Result<()> {
             },
             clients: args.naive_requests,
             arrival: Arrival::Burst,
+            time_products: false,
         });
     }
     let runs = measure(path, &prompt, &burst, rounds)?;
@@ -443,7 +463,7 @@ fn batching(args: &BenchArgs, mut prompt: Vec<u32>) -> Result<()> {
         let label = format!("naive: {} requests, --max-num-seqs 1", args.naive_requests);
         println!("{}", Load::row(&label, naive, single, true, false));
     }
-    products_table(path, &args.concurrency, &runs)?;
+    products_table(&args.concurrency, &runs);
     if args.rounds == 0 {
         return Ok(());
     }
@@ -469,37 +489,36 @@ const PRODUCT_RUNS: usize = 9;
 /// Prints, for each burst of the table before it, its decode step beside the model's weight
 /// products alone on as many rows, and what the burst's ratios to one request would be if
 /// every decode step cost only its products.
-fn products_table(path: &std::path::Path, concurrency: &[usize], runs: &[Vec<Load>]) -> Result<()> {
+fn products_table(concurrency: &[usize], runs: &[Vec<Load>]) {
     let Some(single) = runs.first().map(|r| Load::median(r)) else {
-        return Ok(());
+        return;
     };
-    let loaded = crate::model::load(path, &Device::Cpu)?;
     println!();
-    println!("Where a decode step goes: each burst's decode step (its requests over its decode-phase tok/s, from the median run above) beside the model's weight products alone — every projection of a step, on stand-in inputs of as many rows, the median of {PRODUCT_RUNS} runs; the rest is attention, norms, sampling and the engine's own work. The last two columns are what the burst's × single figures would become if every decode step cost only its products and the prompts what they took here: ceilings that no saving outside the products can pass.");
+    println!("Where a decode step goes: each burst's decode step (its requests over its decode-phase tok/s) beside the model's weight products alone — every projection of a step on stand-in inputs of as many rows, the median of {PRODUCT_RUNS} runs timed right after the burst — both from the median run above; the rest is attention, norms, sampling and the engine's own work. The last two columns are what the burst's × single figures would become if every decode step cost only its products and the prompts what they took here: ceilings that no saving outside the products can pass.");
     println!();
     println!("| concurrent requests | decode step | its weight products | the rest | decode phase × single's, at the products' pace | whole run × single, likewise |");
     println!("|---|---|---|---|---|---|");
     for (&c, runs) in concurrency.iter().zip(runs) {
         let this = Load::median(runs);
-        if this.burst.is_none_or(|b| b.decode_tokens == 0) {
-            continue;
-        }
-        let products = time_products(&loaded.model, c.max(1))?;
-        if let Some(row) = products_row(c.max(1), &this, &single, products) {
+        if let Some(row) = this
+            .products_s
+            .and_then(|p| products_row(c.max(1), &this, &single, p))
+        {
             println!("{row}");
         }
     }
-    Ok(())
 }
 
 /// Seconds one step's weight products take on `rows` rows: the median of [`PRODUCT_RUNS`]
-/// runs after one to warm up.
+/// runs after one to warm up, each run inside the thread pool as an engine step runs (one
+/// injection, rather than one per product from outside it).
 fn time_products(model: &crate::model::llama::Llama, rows: usize) -> Result<f64> {
-    model.run_products(rows)?;
+    let run = || rayon::scope(|_| model.run_products(rows));
+    run()?;
     let mut times = Vec::with_capacity(PRODUCT_RUNS);
     for _ in 0..PRODUCT_RUNS {
         let t = Instant::now();
-        model.run_products(rows)?;
+        run()?;
         times.push(t.elapsed().as_secs_f64());
     }
     times.sort_by(f64::total_cmp);

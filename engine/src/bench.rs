@@ -147,7 +147,7 @@ struct Load {
 /// A burst split at the last request's first token. Once every prompt has been prefilled,
 /// every step only decodes, so the decode phase is what batching does to decoding alone;
 /// the whole-run figure also carries the prompts' processing.
-#[derive(Debug, Clone, Copy, Default, PartialEq)]
+#[derive(Debug, Clone, Copy, PartialEq)]
 struct Phases {
     /// Seconds from the start to the last request's first token.
     prompts_s: f64,
@@ -243,19 +243,17 @@ fn measure(
     rounds: usize,
 ) -> Result<Vec<Vec<Load>>> {
     let mut runs = vec![Vec::with_capacity(rounds); setups.len()];
-    // The model whose products are timed, loaded once (the engine of each run loads its own).
-    let mut model = None;
+    // The model whose products are timed (the engine of each run loads its own).
+    let timed = setups.iter().any(|s| s.time_products);
+    let model = timed
+        .then(|| crate::model::load(path, &Device::Cpu))
+        .transpose()?;
     for _ in 0..rounds.max(1) {
         for (s, runs) in setups.iter().zip(&mut runs) {
             let (config, len) = (s.config.clone(), prompt.len());
             let mut load = run_load(path, config, prompt, s.clients, s.arrival, len)?;
-            if s.time_products {
-                if model.is_none() {
-                    model = Some(crate::model::load(path, &Device::Cpu)?);
-                }
-                if let Some(loaded) = &model {
-                    load.products_s = Some(time_products(&loaded.model, s.clients)?);
-                }
+            if let (true, Some(loaded)) = (s.time_products, &model) {
+                load.products_s = Some(time_products(&loaded.model, s.clients)?);
             }
             runs.push(load);
         }

@@ -491,9 +491,7 @@ impl Llama {
         recycle(normed);
         Ok(logits)
     }
-}
 
-impl Llama {
     /// Runs every weight product of one step of `rows` tokens — each layer's Q/K/V, output,
     /// gate/up and down projections, then the vocabulary projection — on stand-in inputs,
     /// and nothing else (no attention, norms or sampling). The benchmark times it to set a

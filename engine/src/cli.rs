@@ -64,9 +64,6 @@ pub struct ServerArgs {
     /// or directory name.
     #[arg(long, env = "FERRITE_SERVED_MODEL_NAME", num_args = 1..)]
     pub served_model_name: Vec<String>,
-    /// Requests that may wait for admission; beyond this new requests get 503.
-    #[arg(long, default_value_t = 1024)]
-    pub max_waiting_requests: usize,
     /// Seconds in-flight requests may run after SIGTERM.
     #[arg(long, default_value_t = 30)]
     pub shutdown_timeout: u64,
@@ -144,6 +141,10 @@ pub struct SchedulerArgs {
     /// Pipeline stages to split the model into (only 1 is supported yet).
     #[arg(long, default_value_t = 1)]
     pub pipeline_parallel_size: usize,
+    /// Requests that may wait for their first step at any instant; beyond this new requests
+    /// get 503 with Retry-After.
+    #[arg(long, default_value_t = 1024)]
+    pub max_waiting_requests: usize,
 }
 
 /// The engine configuration these flags describe.
@@ -163,6 +164,7 @@ pub fn engine_config(cache: &CacheArgs, sched: &SchedulerArgs) -> EngineConfig {
         },
         tensor_parallel_size: sched.tensor_parallel_size,
         pipeline_parallel_size: sched.pipeline_parallel_size,
+        max_waiting_requests: sched.max_waiting_requests,
     }
 }
 
@@ -399,10 +401,10 @@ fn serve(args: ServeArgs) -> Result<()> {
             sv.host.clone(),
             "--port".into(),
             sv.port.to_string(),
-            "--max-waiting-requests".into(),
-            sv.max_waiting_requests.to_string(),
             "--shutdown-timeout".into(),
             sv.shutdown_timeout.to_string(),
+            "--max-waiting-requests".into(),
+            args.scheduler.max_waiting_requests.to_string(),
         ]);
         tracing::info!("serving {} as: {}", manifest.display(), argv[1..].join(" "));
         let cli = Cli::try_parse_from(&argv).map_err(|e| Error::InvalidParameter(e.to_string()))?;
@@ -439,7 +441,6 @@ fn serve(args: ServeArgs) -> Result<()> {
     }
     let config = ServerConfig {
         served_model_names: names,
-        max_waiting_requests: args.server.max_waiting_requests,
         shutdown_timeout: std::time::Duration::from_secs(args.server.shutdown_timeout),
     };
     let engine_config = engine_config(&args.cache, &args.scheduler);
@@ -542,7 +543,10 @@ fn generate(args: GenerateArgs) -> Result<()> {
             None => loaded.tokenizer.encode(text, true)?,
         });
     }
-    let engine = EngineHandle::start(loaded, engine_config(&args.cache, &args.scheduler))?;
+    let mut config = engine_config(&args.cache, &args.scheduler);
+    // Every prompt is submitted at once.
+    config.max_waiting_requests = config.max_waiting_requests.max(prompts.len());
+    let engine = EngineHandle::start(loaded, config)?;
     let start = std::time::Instant::now();
     let streams = prompts
         .iter()

@@ -7,6 +7,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{mpsc, Arc, Mutex};
 use std::time::Instant;
 use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver, UnboundedSender};
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
 use crate::error::{Error, Result};
 use crate::kv::budget::{self, CachePlan, CacheRequest};
@@ -41,6 +42,9 @@ pub struct EngineConfig {
     pub tensor_parallel_size: usize,
     /// Pipeline stages; only 1 is built so far.
     pub pipeline_parallel_size: usize,
+    /// Most requests accepted and not yet started at any instant; a submission beyond it
+    /// is refused with [`Error::QueueFull`].
+    pub max_waiting_requests: usize,
 }
 
 impl Default for EngineConfig {
@@ -56,6 +60,7 @@ impl Default for EngineConfig {
             kv_dtype: KvDtype::Auto,
             tensor_parallel_size: 1,
             pipeline_parallel_size: 1,
+            max_waiting_requests: 1024,
         }
     }
 }
@@ -142,6 +147,8 @@ pub struct EngineInfo {
     pub utilization: f64,
     /// Whether prefix caching is on.
     pub prefix_caching: bool,
+    /// Most requests that may wait for their first step.
+    pub max_waiting_requests: usize,
 }
 
 /// Where a sequence's events go, and when it arrived and was first scheduled.
@@ -152,6 +159,8 @@ struct Sink {
     /// With `prompt_logprobs`, until they are sent: the scores of prompt tokens `1..`, by
     /// position (a sequence preempted before sending recomputes and overwrites them).
     prompt_scores: Option<Vec<Option<TokenOutput>>>,
+    /// The request's place in the waiting bound, held until it is first scheduled.
+    admission: Option<OwnedSemaphorePermit>,
 }
 
 impl Sink {
@@ -183,6 +192,8 @@ pub(crate) struct Request {
     params: SamplingParams,
     /// Where the request's events go.
     pub(crate) events: UnboundedSender<Event>,
+    /// Its share of [`EngineConfig::max_waiting_requests`], released once it is scheduled.
+    admission: OwnedSemaphorePermit,
 }
 
 struct Shared {
@@ -191,6 +202,9 @@ struct Shared {
     next_id: AtomicU64,
     /// Whether the engine thread is still running (false once it has ended, by a panic too).
     running: AtomicBool,
+    /// One permit per request that may wait: taken at submission, given back by the request
+    /// when it is first scheduled (or dropped), so the bound holds at every instant.
+    admission: Arc<Semaphore>,
 }
 
 /// Clears [`Shared::running`] when the engine thread ends, however it ends: dropped on return
@@ -320,6 +334,7 @@ impl EngineHandle {
             )));
         }
         check("--max-num-seqs", config.max_num_seqs)?;
+        check("--max-waiting-requests", config.max_waiting_requests)?;
         check("--max-num-batched-tokens", config.max_num_batched_tokens)?;
         let f16 = match config.kv_dtype {
             KvDtype::F16 => true,
@@ -359,6 +374,7 @@ impl EngineHandle {
             vocab_size: c.vocab_size,
             utilization: config.gpu_memory_utilization,
             prefix_caching: config.enable_prefix_caching,
+            max_waiting_requests: config.max_waiting_requests,
         };
         let sched = SchedulerConfig {
             max_num_seqs: config.max_num_seqs,
@@ -389,6 +405,7 @@ impl EngineHandle {
                 total_blocks: info.cache.num_blocks,
                 ..Default::default()
             }),
+            admission: Arc::new(Semaphore::new(info.max_waiting_requests)),
             info,
             next_id: AtomicU64::new(0),
             running: AtomicBool::new(true),
@@ -417,8 +434,64 @@ impl EngineHandle {
     }
 
     /// Queues a request after checking it could ever be served; tokens arrive on the
-    /// returned stream. Dropping the stream cancels the request.
+    /// returned stream. Dropping the stream cancels the request. Refused with
+    /// [`Error::QueueFull`] when [`EngineConfig::max_waiting_requests`] requests are already
+    /// waiting.
     pub fn submit(&self, prompt: Vec<u32>, params: SamplingParams) -> Result<RequestStream> {
+        let mut streams = self.submit_all(vec![(prompt, params)])?;
+        streams.pop().ok_or(Error::EngineStopped)
+    }
+
+    /// Queues several requests together (the prompts and choices of one API call): every
+    /// one is checked first, then all are admitted or none is.
+    pub fn submit_all(
+        &self,
+        requests: Vec<(Vec<u32>, SamplingParams)>,
+    ) -> Result<Vec<RequestStream>> {
+        for (prompt, params) in &requests {
+            self.check(prompt, params)?;
+        }
+        let limit = self.shared.info.max_waiting_requests;
+        if requests.len() > limit {
+            return Err(Error::InvalidParameter(format!(
+                "`n` times the prompts gives {} requests, more than the {limit} that may wait at \
+                 once (--max-waiting-requests)",
+                requests.len()
+            )));
+        }
+        let Some(mut permits) = u32::try_from(requests.len()).ok().and_then(|n| {
+            Arc::clone(&self.shared.admission)
+                .try_acquire_many_owned(n)
+                .ok()
+        }) else {
+            return Err(Error::QueueFull { limit });
+        };
+        // One permit per request, each released by its own request.
+        let mut singles: Vec<OwnedSemaphorePermit> = (1..requests.len())
+            .filter_map(|_| permits.split(1))
+            .collect();
+        singles.push(permits);
+        let mut streams = Vec::with_capacity(requests.len());
+        for ((prompt, params), admission) in requests.into_iter().zip(singles) {
+            let (events, rx) = unbounded_channel();
+            let id = self.shared.next_id.fetch_add(1, Ordering::Relaxed);
+            self.tx
+                .send(Request {
+                    arrived: Instant::now(),
+                    id,
+                    prompt,
+                    params,
+                    events,
+                    admission,
+                })
+                .map_err(|_| Error::EngineStopped)?;
+            streams.push(RequestStream { rx });
+        }
+        Ok(streams)
+    }
+
+    /// Whether `prompt` with `params` could ever be served by this engine.
+    fn check(&self, prompt: &[u32], params: &SamplingParams) -> Result<()> {
         params.validate()?;
         let info = &self.shared.info;
         if prompt.is_empty() {
@@ -453,18 +526,7 @@ impl EngineHandle {
                 params.max_tokens
             )));
         }
-        let (events, rx) = unbounded_channel();
-        let id = self.shared.next_id.fetch_add(1, Ordering::Relaxed);
-        self.tx
-            .send(Request {
-                arrived: Instant::now(),
-                id,
-                prompt,
-                params,
-                events,
-            })
-            .map_err(|_| Error::EngineStopped)?;
-        Ok(RequestStream { rx })
+        Ok(())
     }
 
     /// Whether the engine thread is still running: false once it has ended, by a panic too
@@ -490,6 +552,7 @@ impl EngineHandle {
             vocab_size: 16,
             utilization: 0.9,
             prefix_caching: false,
+            max_waiting_requests: 4,
         };
         Self::spawn(info, |rx, _| body(rx)).expect("the thread starts")
     }
@@ -547,6 +610,7 @@ impl EngineLoop {
                 .params
                 .prompt_logprobs
                 .map(|_| vec![None; req.prompt.len().saturating_sub(1)]),
+            admission: Some(req.admission),
         };
         let state = SequenceState::new(
             &req.prompt,
@@ -566,11 +630,10 @@ impl EngineLoop {
         let mut prompt_tokens = 0u64;
         let now = Instant::now();
         for s in &plan {
-            self.sched
-                .running_mut(s.index)
-                .sink
-                .scheduled
-                .get_or_insert(now);
+            let sink = &mut self.sched.running_mut(s.index).sink;
+            sink.scheduled.get_or_insert(now);
+            // Started: its place in the waiting bound goes to the next request.
+            sink.admission = None;
         }
         for (slot, s) in plan.iter().enumerate() {
             let seq = &self.sched.running()[s.index];
@@ -696,6 +759,48 @@ mod tests {
             err.as_deref(),
             Some("the engine has stopped; the server must be restarted")
         );
+    }
+
+    #[test]
+    fn no_more_requests_are_accepted_than_may_wait_until_one_gives_its_place_back() {
+        // An engine that holds every request it receives until told to drop one.
+        let (drop_one, dropping) = mpsc::channel::<()>();
+        let (engine, _thread) = EngineHandle::with_thread(move |rx| {
+            let mut held: Vec<Request> = Vec::new();
+            loop {
+                while let Ok(req) = rx.try_recv() {
+                    held.push(req);
+                }
+                match dropping.recv_timeout(std::time::Duration::from_millis(5)) {
+                    Ok(()) => drop(held.pop()),
+                    Err(mpsc::RecvTimeoutError::Timeout) => {}
+                    Err(mpsc::RecvTimeoutError::Disconnected) => return,
+                }
+            }
+        });
+        let limit = engine.info().max_waiting_requests;
+        let submit = || engine.submit(vec![1, 2], SamplingParams::greedy(2));
+        let accepted: Vec<RequestStream> = (0..limit).map(|_| submit().expect("room")).collect();
+        assert!(matches!(submit(), Err(Error::QueueFull { limit: l }) if l == limit));
+        // Several at once are admitted together or not at all.
+        let two = vec![(vec![1], SamplingParams::greedy(2)); 2];
+        assert!(matches!(
+            engine.submit_all(two),
+            Err(Error::QueueFull { .. })
+        ));
+        drop_one.send(()).expect("engine listens");
+        let deadline = Instant::now() + std::time::Duration::from_secs(10);
+        let again = loop {
+            match submit() {
+                Ok(s) => break s,
+                Err(Error::QueueFull { .. }) if Instant::now() < deadline => {
+                    std::thread::sleep(std::time::Duration::from_millis(5))
+                }
+                Err(e) => panic!("{e}"),
+            }
+        };
+        assert!(matches!(submit(), Err(Error::QueueFull { .. })));
+        drop((accepted, again));
     }
 
     #[test]

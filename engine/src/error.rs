@@ -22,6 +22,12 @@ pub enum Error {
     /// A request parameter is outside its allowed range.
     #[error("{0}")]
     InvalidParameter(String),
+    /// As many requests as may wait are already waiting; retrying later may succeed.
+    #[error("the waiting queue is full ({limit} requests are waiting for their first step)")]
+    QueueFull {
+        /// The bound, `max_waiting_requests`.
+        limit: usize,
+    },
     /// The engine thread has ended (a bug made it panic): nothing more can be generated
     /// until the process restarts.
     #[error("the engine has stopped; the server must be restarted")]

@@ -343,3 +343,54 @@ def test_a_full_waiting_queue_answers_503_with_retry_after():
 
 def server_waiting(server):
     return server.metrics()[f'vllm:num_requests_waiting{{model_name="{NAME}"}}']
+
+
+def test_a_burst_far_past_the_waiting_bound_never_waits_more_than_the_bound():
+    s = Server("--max-num-seqs", "2", "--max-waiting-requests", "4")
+    body = {"model": NAME, "prompt": "Count: 1, 2, 3,", "max_tokens": 12, "temperature": 0,
+            "ignore_eos": True}
+    peak, done, results = [0], threading.Event(), []
+
+    def sample():
+        while not done.is_set():
+            peak[0] = max(peak[0], server_waiting(s))
+            time.sleep(0.005)
+
+    def one():
+        r = httpx.post(s.url + "/v1/completions", json=body, timeout=300)
+        results.append(r)
+
+    try:
+        sampler = threading.Thread(target=sample)
+        sampler.start()
+        burst = [threading.Thread(target=one) for _ in range(60)]
+        for t in burst:
+            t.start()
+        for t in burst:
+            t.join(timeout=300)
+        done.set()
+        sampler.join()
+        assert len(results) == 60
+        accepted = [r for r in results if r.status_code == 200]
+        refused = [r for r in results if r.status_code == 503]
+        assert len(accepted) + len(refused) == 60, [r.status_code for r in results]
+        assert len(accepted) >= 4 and refused, (len(accepted), len(refused))
+        assert all(r.json()["usage"]["completion_tokens"] == 12 for r in accepted)
+        for r in refused:
+            assert r.headers["retry-after"] == "1"
+            assert r.json()["error"]["type"] == "service_unavailable_error"
+            assert "--max-waiting-requests 4" in r.json()["error"]["message"]
+        assert 0 < peak[0] <= 4, peak[0]
+    finally:
+        done.set()
+        s.stop()
+
+
+def test_a_body_over_the_size_limit_is_refused_in_openai_error_json(server):
+    big = json.dumps({"model": NAME, "prompt": "x" * (3 << 20), "max_tokens": 1})
+    r = httpx.post(server.url + "/v1/completions", content=big,
+                   headers={"Content-Type": "application/json"})
+    assert r.status_code == 413
+    error = r.json()["error"]
+    assert error["type"] == "invalid_request_error" and error["code"] == 413
+    assert "larger than" in error["message"]

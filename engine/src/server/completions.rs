@@ -14,7 +14,7 @@ use axum::Json;
 use futures::stream::{self, Stream, StreamExt};
 use serde_json::{json, Value};
 
-use super::errors::ApiError;
+use super::errors::{ApiError, Body};
 use super::openai::{
     ChatRequest, CompletionRequest, Prompt, Sampling, CHAT_FIELDS, COMPLETION_FIELDS,
     SAMPLING_FIELDS,
@@ -73,7 +73,8 @@ struct Job {
     choice: usize,
 }
 
-/// Submits every job, refusing new work while draining or when the queue is full.
+/// Submits every job together, refusing new work while draining; the engine refuses it
+/// when its waiting queue has no room for all of them.
 fn submit(
     ready: &Ready,
     state: &AppState,
@@ -83,14 +84,8 @@ fn submit(
     if state.draining() {
         return Err(ApiError::unavailable("the server is shutting down"));
     }
-    let waiting = ready.engine.stats().waiting;
-    if waiting >= state.config.max_waiting_requests {
-        return Err(ApiError::unavailable(format!(
-            "the waiting queue is full ({waiting} requests, --max-waiting-requests {}); retry later",
-            state.config.max_waiting_requests
-        )));
-    }
-    jobs.iter()
+    let requests = jobs
+        .iter()
         .map(|j| {
             let mut p = params.clone();
             // n choices from one seed must differ yet stay reproducible.
@@ -100,12 +95,10 @@ fn submit(
             if j.choice > 0 {
                 p.prompt_logprobs = None;
             }
-            ready
-                .engine
-                .submit(j.prompt.clone(), p)
-                .map_err(ApiError::from)
+            (j.prompt.clone(), p)
         })
-        .collect()
+        .collect();
+    ready.engine.submit_all(requests).map_err(ApiError::from)
 }
 
 /// Per-request latency bookkeeping for the metrics.
@@ -544,7 +537,7 @@ fn sse(
 /// `POST /v1/completions`.
 pub async fn completions(
     State(state): State<Arc<AppState>>,
-    body: Bytes,
+    Body(body): Body,
 ) -> Result<Response, ApiError> {
     let ready = state.ready()?;
     let (req, sampling): (CompletionRequest, Sampling) = parse(&body, COMPLETION_FIELDS)?;
@@ -597,7 +590,10 @@ pub async fn completions(
 }
 
 /// `POST /v1/chat/completions`.
-pub async fn chat(State(state): State<Arc<AppState>>, body: Bytes) -> Result<Response, ApiError> {
+pub async fn chat(
+    State(state): State<Arc<AppState>>,
+    Body(body): Body,
+) -> Result<Response, ApiError> {
     let ready = state.ready()?;
     let (req, sampling): (ChatRequest, Sampling) = parse(&body, CHAT_FIELDS)?;
     state.check_model(&req.model)?;

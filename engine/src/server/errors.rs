@@ -1,6 +1,8 @@
 //! OpenAI's error shape, `{"error": {"message", "type", "param", "code"}}`, with the HTTP
 //! status that goes with each kind of failure.
 
+use axum::body::Bytes;
+use axum::extract::{FromRequest, Request};
 use axum::http::{header, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
@@ -17,6 +19,37 @@ pub struct ApiError {
     pub message: String,
     /// The request field at fault, if any.
     pub param: Option<String>,
+}
+
+/// Most bytes a request body may hold (axum's default limit, made explicit).
+pub const MAX_BODY_BYTES: usize = 2 << 20;
+
+/// A request's body, read whole; a body that cannot be read (over [`MAX_BODY_BYTES`], or
+/// cut off) is refused in OpenAI's error shape like every other bad request.
+#[derive(Debug)]
+pub struct Body(pub Bytes);
+
+impl<S: Send + Sync> FromRequest<S> for Body {
+    type Rejection = ApiError;
+
+    async fn from_request(req: Request, state: &S) -> Result<Self, ApiError> {
+        Bytes::from_request(req, state)
+            .await
+            .map(Body)
+            .map_err(|rejection| {
+                let status = rejection.status();
+                let message = if status == StatusCode::PAYLOAD_TOO_LARGE {
+                    format!("the request body is larger than the {MAX_BODY_BYTES} bytes this server accepts")
+                } else {
+                    format!("cannot read the request body: {}", rejection.body_text())
+                };
+                ApiError {
+                    status,
+                    message,
+                    param: None,
+                }
+            })
+    }
 }
 
 /// Reads a request body as JSON, refusing one that is not.
@@ -87,11 +120,11 @@ impl ApiError {
 
     fn kind(&self) -> &'static str {
         match self.status {
-            StatusCode::BAD_REQUEST => "invalid_request_error",
             StatusCode::NOT_FOUND => "not_found_error",
             StatusCode::SERVICE_UNAVAILABLE | StatusCode::TOO_MANY_REQUESTS => {
                 "service_unavailable_error"
             }
+            s if s.is_client_error() => "invalid_request_error",
             _ => "internal_server_error",
         }
     }
@@ -114,6 +147,10 @@ impl From<Error> for ApiError {
                 }
             }
             Error::ChatTemplate(m) => ApiError::bad_request(m, Some("messages")),
+            Error::QueueFull { limit } => ApiError::unavailable(format!(
+                "the waiting queue is full ({limit} requests, --max-waiting-requests {limit}); \
+                 retry later"
+            )),
             Error::Tokenizer(m) => ApiError::bad_request(m, None),
             other => ApiError {
                 status: StatusCode::INTERNAL_SERVER_ERROR,

@@ -15,7 +15,6 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
-use axum::body::Bytes;
 use axum::extract::State;
 use axum::http::{header, StatusCode};
 use axum::response::{IntoResponse, Response};
@@ -37,8 +36,6 @@ pub struct ServerConfig {
     /// The `model` values clients may send, each listed by `/v1/models`; never empty (the
     /// first names the metrics).
     pub served_model_names: Vec<String>,
-    /// Requests allowed to wait for admission before new ones get 503.
-    pub max_waiting_requests: usize,
     /// How long in-flight requests may run after SIGTERM.
     pub shutdown_timeout: Duration,
 }
@@ -141,6 +138,7 @@ pub fn router(state: Arc<AppState>) -> Router {
             }
         })
         .with_state(state)
+        .layer(axum::extract::DefaultBodyLimit::max(errors::MAX_BODY_BYTES))
         .layer(panics_answered())
 }
 
@@ -217,7 +215,7 @@ struct TokenizeRequest {
 
 async fn tokenize(
     State(state): State<Arc<AppState>>,
-    body: Bytes,
+    errors::Body(body): errors::Body,
 ) -> Result<Json<serde_json::Value>, ApiError> {
     let ready = state.ready()?;
     let req: TokenizeRequest = errors::from_json(errors::json_body(&body)?)?;
@@ -254,7 +252,7 @@ struct DetokenizeRequest {
 
 async fn detokenize(
     State(state): State<Arc<AppState>>,
-    body: Bytes,
+    errors::Body(body): errors::Body,
 ) -> Result<Json<serde_json::Value>, ApiError> {
     let ready = state.ready()?;
     let req: DetokenizeRequest = errors::from_json(errors::json_body(&body)?)?;
@@ -335,7 +333,6 @@ mod tests {
     fn loading() -> Arc<AppState> {
         AppState::new(ServerConfig {
             served_model_names: vec!["m".into()],
-            max_waiting_requests: 4,
             shutdown_timeout: Duration::from_secs(1),
         })
         .expect("metrics register")
@@ -535,7 +532,6 @@ mod tests {
     fn every_served_model_name_is_accepted_and_an_unknown_one_is_told_them_all() {
         let state = AppState::new(ServerConfig {
             served_model_names: vec!["smol".into(), "smollm2-135m".into()],
-            max_waiting_requests: 4,
             shutdown_timeout: Duration::from_secs(1),
         })
         .expect("metrics register");

@@ -10,6 +10,8 @@
 //! and end-to-end latency percentiles, and errors; results go to a JSON file from which
 //! markdown tables, peer ratios and SVG plots are made.
 
+#![forbid(unsafe_code)]
+
 pub mod client;
 pub mod plot;
 pub mod report;

@@ -1,6 +1,8 @@
 //! `ferrite-bench`: parses flags, runs load levels against an OpenAI-compatible server, and
 //! writes results, tables and plots.
 
+#![forbid(unsafe_code)]
+
 use std::path::PathBuf;
 use std::time::Duration;
 

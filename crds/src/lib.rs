@@ -1,6 +1,8 @@
 //! Ferrite's Kubernetes API: the `LLMService` custom resource and the mapping from its spec
 //! to engine flags that the operator and `ferrite-engine --from-manifest` share.
 
+#![forbid(unsafe_code)]
+
 pub mod engine_args;
 pub mod llmservice;
 

@@ -664,8 +664,8 @@ impl EngineLoop {
         };
         let (model, cache) = (&self.model.model, &mut self.cache);
         // One injection into the thread pool per step; its workers run the whole forward.
-        let mut all = rayon::scope(|_| model.logits(&batch, cache.as_mut(), &rows))?;
-        let mut logits = all.chunks_exact_mut(model.config().vocab_size.max(1));
+        let mut all = rayon::scope(|_| model.forward(&batch, cache.as_mut(), &rows))?;
+        let mut logits = all.rows_mut();
         self.sched.complete(&plan);
         let mut finished = Vec::new();
         let mut generated = 0u64;
@@ -700,7 +700,6 @@ impl EngineLoop {
                 finished.push(s.index);
             }
         }
-        crate::kernels::buffers::recycle(all);
         for index in finished.into_iter().rev() {
             drop(self.sched.finish(index));
         }
@@ -767,15 +766,11 @@ mod tests {
         let (drop_one, dropping) = mpsc::channel::<()>();
         let (engine, _thread) = EngineHandle::with_thread(move |rx| {
             let mut held: Vec<Request> = Vec::new();
-            loop {
-                while let Ok(req) = rx.try_recv() {
-                    held.push(req);
-                }
-                match dropping.recv_timeout(std::time::Duration::from_millis(5)) {
-                    Ok(()) => drop(held.pop()),
-                    Err(mpsc::RecvTimeoutError::Timeout) => {}
-                    Err(mpsc::RecvTimeoutError::Disconnected) => return,
-                }
+            // Each signal drops one request: the channel is drained first, so the request
+            // submitted before the signal is among those held.
+            while dropping.recv().is_ok() {
+                held.extend(rx.try_iter());
+                drop(held.pop());
             }
         });
         let limit = engine.info().max_waiting_requests;

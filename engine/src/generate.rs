@@ -68,9 +68,11 @@ fn run(
     let mut first_token_at = None;
     let mut input: Vec<u32> = prompt.to_vec();
     loop {
-        let logits = cache.forward(model, &input)?;
-        let mut row = logits.squeeze(0)?.to_vec1::<f32>()?;
-        let step = seq.step(&mut row, &loaded.tokenizer)?;
+        let mut logits = cache.forward(model, &input)?;
+        let Some(row) = logits.rows_mut().next() else {
+            return Err(Error::InvalidParameter("a step gave no logits".into()));
+        };
+        let step = seq.step(row, &loaded.tokenizer)?;
         first_token_at.get_or_insert_with(Instant::now);
         on_text(&step.text);
         text.push_str(&step.text);

@@ -1,5 +1,7 @@
 //! `ferrite-engine`: parses flags and hands them to the library.
 
+#![forbid(unsafe_code)]
+
 use clap::Parser;
 
 fn main() {

@@ -19,12 +19,12 @@ fn engine_logits(model: &Llama) -> (Vec<Vec<f32>>, Vec<Vec<f32>>) {
     let pre = 4;
     let mut stepped = cache
         .forward_all(model, &IDS[..pre])
-        .and_then(|l| Ok(l.to_vec2::<f32>()?))
+        .map(|l| l.to_vec2())
         .expect("prefill");
     for i in pre..IDS.len() {
         let row = cache
             .forward(model, &IDS[i..=i])
-            .and_then(|l| Ok(l.to_vec2::<f32>()?))
+            .map(|l| l.to_vec2())
             .expect("decode");
         stepped.extend(row);
     }

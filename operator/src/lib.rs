@@ -1,6 +1,8 @@
 //! Ferrite's operator: turns `LLMService` objects into engine Deployments, Services and
 //! PodDisruptionBudgets, keeps their status honest, and elects one leader among its replicas.
 
+#![forbid(unsafe_code)]
+
 pub mod autoscale;
 pub mod cli;
 pub mod error;

@@ -1,5 +1,7 @@
 //! `ferrite-operator`: parses flags and runs the operator.
 
+#![forbid(unsafe_code)]
+
 use clap::Parser;
 use ferrite_operator::cli::Args;
 use ferrite_operator::run;

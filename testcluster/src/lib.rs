@@ -16,6 +16,8 @@
 //! # Ok(()) }
 //! ```
 
+#![forbid(unsafe_code)]
+
 pub mod apply;
 pub mod certs;
 pub mod kwok;

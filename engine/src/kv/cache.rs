@@ -6,12 +6,12 @@
 
 use super::block_pool::BlockId;
 use crate::error::{Error, Result};
-use crate::kernels::attention::{
+use ferrite_kernels::attention::{
     head_row, paged_attention_batch, HeadShape, KvBlocks, KvElement, SeqKv,
 };
-use crate::kernels::buffers;
-use crate::model::llama::{Batch, KvCache, KvDtype, Llama, SeqSlice};
-use candle_core::Tensor;
+use ferrite_kernels::buffers::Buf;
+
+use crate::model::llama::{Batch, KvCache, KvDtype, Llama, Logits, SeqSlice};
 
 /// A paged cache whose block tables are set for each step; `SeqSlice::cache_slot` indexes
 /// the tables.
@@ -68,17 +68,17 @@ impl SingleSequence {
     }
 
     /// Appends `tokens` to the sequence through `model` (a prefill, or a decode step of one
-    /// token) and returns the logits of the last of them (`[1, vocab]`).
-    pub fn forward(&mut self, model: &Llama, tokens: &[u32]) -> Result<Tensor> {
+    /// token) and returns the logits of the last of them (one row).
+    pub fn forward(&mut self, model: &Llama, tokens: &[u32]) -> Result<Logits> {
         self.append(model, tokens, false)
     }
 
-    /// [`SingleSequence::forward`] returning the logits of every token (`[tokens, vocab]`).
-    pub fn forward_all(&mut self, model: &Llama, tokens: &[u32]) -> Result<Tensor> {
+    /// [`SingleSequence::forward`] returning the logits of every token (a row each).
+    pub fn forward_all(&mut self, model: &Llama, tokens: &[u32]) -> Result<Logits> {
         self.append(model, tokens, true)
     }
 
-    fn append(&mut self, model: &Llama, tokens: &[u32], all: bool) -> Result<Tensor> {
+    fn append(&mut self, model: &Llama, tokens: &[u32], all: bool) -> Result<Logits> {
         let positions: Vec<usize> = (self.len..self.len + tokens.len()).collect();
         let seqs = [SeqSlice {
             start: 0,
@@ -90,11 +90,11 @@ impl SingleSequence {
             positions: &positions,
             seqs: &seqs,
         };
-        let logits = if all {
-            model.forward_all(&batch, self)?
-        } else {
-            model.forward(&batch, self)?
+        let rows: Vec<u32> = match all {
+            true => (0..tokens.len() as u32).collect(),
+            false => vec![tokens.len().saturating_sub(1) as u32],
         };
+        let logits = model.forward(&batch, self, &rows)?;
         self.len += tokens.len();
         Ok(logits)
     }
@@ -108,7 +108,7 @@ impl KvCache for SingleSequence {
         q: &[f32],
         k: &[f32],
         v: &[f32],
-    ) -> Result<Vec<f32>> {
+    ) -> Result<Buf> {
         let [seq] = batch.seqs else {
             return Err(Error::InvalidParameter(format!(
                 "a single-sequence cache takes batches of one sequence, got {}",
@@ -226,7 +226,7 @@ impl<T: KvElement> KvCache for PagedKv<T> {
         q: &[f32],
         k: &[f32],
         v: &[f32],
-    ) -> Result<Vec<f32>> {
+    ) -> Result<Buf> {
         let (bs, width, head_dim) = (self.block_size, self.width, self.head_dim);
         let len = batch.tokens.len();
         let heads = q.len() / (len * head_dim).max(1);
@@ -281,7 +281,7 @@ impl<T: KvElement> KvCache for PagedKv<T> {
                 tokens: s.len,
             })
             .collect();
-        let mut out = buffers::take(len * heads * head_dim);
+        let mut out = Buf::take(len * heads * head_dim);
         paged_attention_batch(
             q,
             batch.positions,

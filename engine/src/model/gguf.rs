@@ -9,7 +9,7 @@ use candle_core::{DType, Device, Tensor};
 
 use super::weights::{Matmul, WeightName, WeightSource};
 use crate::error::{Error, Result};
-use crate::kernels::quant::{QuantMatrix, WeightFormat};
+use ferrite_kernels::quant::{QuantMatrix, WeightFormat};
 
 /// Tensor types the loader accepts, as named in error messages.
 pub const SUPPORTED_TYPES: &str =

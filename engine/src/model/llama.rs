@@ -2,19 +2,22 @@
 //!
 //! The forward pass takes one flattened batch of tokens from any number of sequences
 //! (`[total_tokens, hidden]`, no padding); matmuls see every token at once and attention
-//! runs per sequence through a [`KvCache`], which owns where K/V live between steps.
+//! runs per sequence through a [`KvCache`], which owns where K/V live between steps. It is
+//! three stages — [`Llama::embed`], [`Llama::run_layers`] over any range of [`Block`]s,
+//! [`Llama::head`] — so a pipeline stage can run just its own layers.
 
 use candle_core::quantized::QMatMul;
 use candle_core::{DType, Device, Tensor};
 use rayon::prelude::*;
 
+use ferrite_kernels::activation::swiglu_rows;
+use ferrite_kernels::buffers::Buf;
+use ferrite_kernels::quant::QuantMatrix;
+use ferrite_kernels::rows_per_task;
+
 use super::config::{Architecture, ModelConfig, RopeStyle};
 use super::weights::{Matmul, WeightName, WeightSource};
 use crate::error::{Error, Result};
-use crate::kernels::activation::swiglu_rows;
-use crate::kernels::buffers::{self, recycle};
-use crate::kernels::quant::QuantMatrix;
-use crate::kernels::rows_per_task;
 
 /// One sequence's share of a flattened batch.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -51,7 +54,7 @@ pub trait KvCache {
         q: &[f32],
         k: &[f32],
         v: &[f32],
-    ) -> Result<Vec<f32>>;
+    ) -> Result<Buf>;
 }
 
 /// A projection, optionally with a bias (Qwen2's Q/K/V).
@@ -64,7 +67,7 @@ struct Linear {
 impl Linear {
     /// `x` (row-major rows of `cols` values) times the transposed weight, plus the bias, as
     /// row-major values.
-    fn forward_rows(&self, x: &[f32], cols: usize, device: &Device) -> Result<Vec<f32>> {
+    fn forward(&self, x: &[f32], cols: usize, device: &Device) -> Result<Buf> {
         let mut y = self.weight.forward_rows(x, cols, device)?;
         if let Some(bias) = &self.bias {
             for row in y.chunks_exact_mut(bias.len().max(1)) {
@@ -118,24 +121,24 @@ impl Fanout {
     /// All projections of row-major `x` (`[tokens, cols]`) as one row-major
     /// `[tokens, Σ widths]` vector: each token's outputs of every part, in the order given to
     /// [`Fanout::new`], biases added.
-    fn forward(&self, x: &[f32], cols: usize, device: &Device) -> Result<Vec<f32>> {
+    fn forward(&self, x: &[f32], cols: usize, device: &Device) -> Result<Buf> {
         let parts = match self {
-            Fanout::Stacked(stacked) => return stacked.forward_rows(x, cols, device),
+            Fanout::Stacked(stacked) => return stacked.forward(x, cols, device),
             Fanout::Separate(parts) => parts,
         };
         let outs = parts
             .iter()
-            .map(|l| l.forward_rows(x, cols, device))
+            .map(|l| l.forward(x, cols, device))
             .collect::<Result<Vec<_>>>()?;
         let tokens = x.len() / cols.max(1);
-        let mut y = Vec::with_capacity(outs.iter().map(Vec::len).sum());
+        let mut y = Vec::with_capacity(outs.iter().map(|o| o.len()).sum());
         for t in 0..tokens {
             for out in &outs {
                 let width = out.len() / tokens;
                 y.extend_from_slice(&out[t * width..(t + 1) * width]);
             }
         }
-        Ok(y)
+        Ok(Buf::from_vec(y))
     }
 }
 
@@ -164,11 +167,11 @@ impl Embedding {
     }
 
     /// The rows of `ids` (each within the vocabulary), one after another.
-    fn rows(&self, ids: &[u32], device: &Device) -> Result<Vec<f32>> {
+    fn rows(&self, ids: &[u32], device: &Device) -> Result<Buf> {
         match self {
             Embedding::Quant(q) => {
                 let h = q.cols();
-                let mut x = buffers::take(ids.len() * h);
+                let mut x = Buf::take(ids.len() * h);
                 for (&id, row) in ids.iter().zip(x.chunks_exact_mut(h)) {
                     q.dequantize_row(id as usize, row);
                 }
@@ -176,7 +179,7 @@ impl Embedding {
             }
             Embedding::Dense(t) => {
                 let ids = Tensor::from_slice(ids, ids.len(), device)?;
-                to_f32_vec(&t.index_select(&ids, 0)?)
+                Ok(Buf::from_vec(to_f32_vec(&t.index_select(&ids, 0)?)?))
             }
         }
     }
@@ -190,17 +193,162 @@ impl Embedding {
     }
 }
 
+/// One transformer layer: attention, then the MLP, each behind an RMSNorm and added to the
+/// residual stream.
 #[derive(Debug, Clone)]
-struct Block {
-    /// RMSNorm weights before attention and before the MLP.
+pub struct Block {
+    /// RMSNorm weights before attention.
     attn_norm: Vec<f32>,
     /// Q, K and V.
     qkv: Fanout,
     o: Linear,
+    /// RMSNorm weights before the MLP.
     ffn_norm: Vec<f32>,
     /// Gate and up.
     gate_up: Fanout,
     down: Linear,
+}
+
+impl Block {
+    /// `x += attention(norm(x))`, then `x += mlp(norm(x))`, for layer `layer` of `m`.
+    fn forward(
+        &self,
+        m: &Llama,
+        layer: usize,
+        batch: &Batch<'_>,
+        cache: &mut dyn KvCache,
+        x: &mut [f32],
+    ) -> Result<()> {
+        let (h, eps) = (m.config.hidden_size, m.config.rms_norm_eps as f32);
+        let attn = self.attention(
+            m,
+            layer,
+            batch,
+            cache,
+            &rms_norm(x, h, &self.attn_norm, eps),
+        )?;
+        add_into(x, &attn);
+        drop(attn);
+        let mlp = self.mlp(m, &rms_norm(x, h, &self.ffn_norm, eps))?;
+        add_into(x, &mlp);
+        Ok(())
+    }
+
+    /// Causal self-attention of the normed rows `y` through the cache, projected back to
+    /// the hidden size.
+    fn attention(
+        &self,
+        m: &Llama,
+        layer: usize,
+        batch: &Batch<'_>,
+        cache: &mut dyn KvCache,
+        y: &[f32],
+    ) -> Result<Buf> {
+        let c = &m.config;
+        let qkv = self.qkv.forward(y, c.hidden_size, &m.device)?;
+        let [q, k, v] = m.split_qkv(&qkv, batch.positions);
+        drop(qkv);
+        let attn = cache.attend(layer, batch, &q, &k, &v)?;
+        drop((q, k, v));
+        self.o.forward(&attn, c.num_heads * c.head_dim, &m.device)
+    }
+
+    /// `down(silu(gate(y)) * up(y))`.
+    fn mlp(&self, m: &Llama, y: &[f32]) -> Result<Buf> {
+        let c = &m.config;
+        let gate_up = self.gate_up.forward(y, c.hidden_size, &m.device)?;
+        let act = swiglu_rows(&gate_up, c.intermediate_size);
+        drop(gate_up);
+        self.down.forward(&act, c.intermediate_size, &m.device)
+    }
+
+    /// The block's weight products in the order [`Block::forward`] runs them.
+    fn products(&self, c: &ModelConfig) -> [Product<'_>; 4] {
+        let attn = c.num_heads * c.head_dim;
+        [
+            Product::fanout(&self.qkv, c.hidden_size),
+            Product::linear(&self.o, attn),
+            Product::fanout(&self.gate_up, c.hidden_size),
+            Product::linear(&self.down, c.intermediate_size),
+        ]
+    }
+}
+
+/// One weight product of a step, for timing the products apart from the rest: a
+/// projection and the width of its input rows.
+#[derive(Debug, Clone, Copy)]
+pub struct Product<'a> {
+    weights: ProductWeights<'a>,
+    /// Values per input row.
+    pub cols: usize,
+}
+
+#[derive(Debug, Clone, Copy)]
+enum ProductWeights<'a> {
+    Fanout(&'a Fanout),
+    Linear(&'a Linear),
+}
+
+impl<'a> Product<'a> {
+    fn fanout(f: &'a Fanout, cols: usize) -> Self {
+        Product {
+            weights: ProductWeights::Fanout(f),
+            cols,
+        }
+    }
+
+    fn linear(l: &'a Linear, cols: usize) -> Self {
+        Product {
+            weights: ProductWeights::Linear(l),
+            cols,
+        }
+    }
+
+    /// The product of row-major `x` (rows of [`Product::cols`] values) on `device`.
+    pub fn run(&self, x: &[f32], device: &Device) -> Result<Buf> {
+        match self.weights {
+            ProductWeights::Fanout(f) => f.forward(x, self.cols, device),
+            ProductWeights::Linear(l) => l.forward(x, self.cols, device),
+        }
+    }
+}
+
+/// Logits of the rows a step asked for: `rows × vocab` values, row-major, in a pooled
+/// buffer that the next step's logits reuse.
+#[derive(Debug)]
+pub struct Logits {
+    values: Buf,
+    vocab: usize,
+}
+
+impl Logits {
+    /// Rows held.
+    pub fn len(&self) -> usize {
+        self.values.len() / self.vocab.max(1)
+    }
+
+    /// Whether no row was asked for.
+    pub fn is_empty(&self) -> bool {
+        self.values.is_empty()
+    }
+
+    /// Row `i`.
+    pub fn row(&self, i: usize) -> &[f32] {
+        &self.values[i * self.vocab..(i + 1) * self.vocab]
+    }
+
+    /// The rows in order, each mutable (sampling adjusts logits in place).
+    pub fn rows_mut(&mut self) -> std::slice::ChunksExactMut<'_, f32> {
+        self.values.chunks_exact_mut(self.vocab.max(1))
+    }
+
+    /// Every row as its own vector.
+    pub fn to_vec2(&self) -> Vec<Vec<f32>> {
+        self.values
+            .chunks_exact(self.vocab.max(1))
+            .map(<[f32]>::to_vec)
+            .collect()
+    }
 }
 
 /// A loaded Llama-family model, ready to run forward passes on its device.
@@ -360,17 +508,13 @@ impl Llama {
     /// Q, K and V from one stacked projection (`qkv`: each token's Q, K and V values side by
     /// side), Q and K rotated to each token's position, each as row-major `[tokens, heads *
     /// head_dim]` values; tokens spread over the threads.
-    fn split_qkv(&self, qkv: &[f32], positions: &[usize]) -> [Vec<f32>; 3] {
+    fn split_qkv(&self, qkv: &[f32], positions: &[usize]) -> [Buf; 3] {
         let c = &self.config;
         let d = c.head_dim;
         let (wq, wk) = (c.num_heads * d, c.num_kv_heads * d);
         let row = wq + 2 * wk;
         let n = positions.len();
-        let (mut q, mut k, mut v) = (
-            buffers::take(n * wq),
-            buffers::take(n * wk),
-            buffers::take(n * wk),
-        );
+        let (mut q, mut k, mut v) = (Buf::take(n * wq), Buf::take(n * wk), Buf::take(n * wk));
         let per_task = rows_per_task(row);
         q.par_chunks_mut(per_task * wq)
             .zip(k.par_chunks_mut(per_task * wk))
@@ -401,129 +545,92 @@ impl Llama {
         self.kv_f16
     }
 
-    /// Runs the batch and returns logits (`[batch.seqs.len(), vocab]`) for the last token
-    /// of each sequence.
-    pub fn forward(&self, batch: &Batch<'_>, cache: &mut dyn KvCache) -> Result<Tensor> {
-        let last: Vec<u32> = batch
-            .seqs
-            .iter()
-            .map(|s| (s.start + s.len - 1) as u32)
-            .collect();
-        self.forward_rows(batch, cache, &last)
-    }
-
-    /// Runs the batch and returns logits (`[total_tokens, vocab]`) for every token.
-    pub fn forward_all(&self, batch: &Batch<'_>, cache: &mut dyn KvCache) -> Result<Tensor> {
-        let all: Vec<u32> = (0..batch.tokens.len() as u32).collect();
-        self.forward_rows(batch, cache, &all)
-    }
-
-    /// Runs the batch and returns logits (`[rows.len(), vocab]`) for the given token rows
-    /// (indexes into `batch.tokens`); steps that only fill the cache pass none.
-    pub fn forward_rows(
+    /// Runs the batch and returns the logits of the token rows `rows` (increasing indexes
+    /// into `batch.tokens`; steps that only fill the cache pass none).
+    pub fn forward(
         &self,
         batch: &Batch<'_>,
         cache: &mut dyn KvCache,
         rows: &[u32],
-    ) -> Result<Tensor> {
-        let logits = self.logits(batch, cache, rows)?;
-        let shape = (rows.len(), self.config.vocab_size);
-        Ok(Tensor::from_vec(logits, shape, &self.device)?)
+    ) -> Result<Logits> {
+        let mut x = self.embed(batch)?;
+        self.run_layers(0..self.blocks.len(), batch, cache, &mut x)?;
+        self.head(x, rows)
     }
 
-    /// [`Llama::forward_rows`]'s logits as row-major values (`rows.len()` rows of `vocab`),
-    /// in a buffer the caller may hand back with [`buffers::recycle`] once it has read them,
-    /// so the next step's logits reuse its memory.
-    pub fn logits(
-        &self,
-        batch: &Batch<'_>,
-        cache: &mut dyn KvCache,
-        rows: &[u32],
-    ) -> Result<Vec<f32>> {
+    /// The residual stream of `batch` entering the first layer, `[tokens, hidden]`: each
+    /// token's embedding row. Checks the batch first.
+    pub fn embed(&self, batch: &Batch<'_>) -> Result<Buf> {
         let c = &self.config;
-        let n = batch.tokens.len();
         check_batch(batch, c.max_position_embeddings, c.vocab_size)?;
-        // The residual stream, `[n, hidden]`: each block's outputs are added in place.
-        let mut x = self.embed.rows(batch.tokens, &self.device)?;
-        let (eps, h, dev) = (c.rms_norm_eps as f32, c.hidden_size, &self.device);
-        for (layer, b) in self.blocks.iter().enumerate() {
-            // Each intermediate goes back to the buffer pool once read, for the next layer
-            // and step to reuse.
-            let y = rms_norm(&x, h, &b.attn_norm, eps);
-            let qkv = b.qkv.forward(&y, h, dev)?;
-            recycle(y);
-            let [q, k, v] = self.split_qkv(&qkv, batch.positions);
-            recycle(qkv);
-            let attn = cache.attend(layer, batch, &q, &k, &v)?;
-            [q, k, v].into_iter().for_each(recycle);
-            let o = b.o.forward_rows(&attn, c.num_heads * c.head_dim, dev)?;
-            recycle(attn);
-            add_into(&mut x, &o);
-            recycle(o);
-            let y = rms_norm(&x, h, &b.ffn_norm, eps);
-            let gate_up = b.gate_up.forward(&y, h, dev)?;
-            recycle(y);
-            let act = swiglu_rows(&gate_up, c.intermediate_size);
-            recycle(gate_up);
-            let down = b.down.forward_rows(&act, c.intermediate_size, dev)?;
-            recycle(act);
-            add_into(&mut x, &down);
-            recycle(down);
+        self.embed.rows(batch.tokens, &self.device)
+    }
+
+    /// Runs layers `layers` on the residual stream `x` in place.
+    pub fn run_layers(
+        &self,
+        layers: std::ops::Range<usize>,
+        batch: &Batch<'_>,
+        cache: &mut dyn KvCache,
+        x: &mut [f32],
+    ) -> Result<()> {
+        let blocks = self.blocks.get(layers.clone()).ok_or_else(|| {
+            Error::InvalidParameter(format!(
+                "layers {layers:?} of a model with {} layers",
+                self.blocks.len()
+            ))
+        })?;
+        for (block, layer) in blocks.iter().zip(layers) {
+            block.forward(self, layer, batch, cache, x)?;
         }
+        Ok(())
+    }
+
+    /// The final norm and vocabulary projection of the residual stream's rows `rows`.
+    pub fn head(&self, x: Buf, rows: &[u32]) -> Result<Logits> {
+        let c = &self.config;
+        let (h, vocab) = (c.hidden_size, c.vocab_size);
         if rows.is_empty() {
-            return Ok(Vec::new());
+            return Ok(Logits {
+                values: Buf::default(),
+                vocab,
+            });
         }
         // Rows are increasing indexes into the batch, so as many rows as tokens means all.
-        let x = if rows.len() == n {
+        let x = if rows.len() * h == x.len() {
             x
         } else {
-            let picked = rows
-                .iter()
+            rows.iter()
                 .flat_map(|&r| &x[r as usize * h..(r as usize + 1) * h])
                 .copied()
-                .collect();
-            recycle(x);
-            picked
-        };
-        let normed = rms_norm(&x, h, &self.norm, eps);
-        recycle(x);
-        let logits = self.lm_head.forward_rows(&normed, h, dev)?;
-        recycle(normed);
-        Ok(logits)
-    }
-
-    /// Runs every weight product of one step of `rows` tokens — each layer's Q/K/V, output,
-    /// gate/up and down projections, then the vocabulary projection — on stand-in inputs,
-    /// and nothing else (no attention, norms or sampling). The benchmark times it to set a
-    /// step's products apart from the rest: with quantized weights their cost does not
-    /// depend on the values, only on the rows.
-    pub fn run_products(&self, rows: usize) -> Result<()> {
-        let c = &self.config;
-        let dev = &self.device;
-        let (h, attn, inter) = (c.hidden_size, c.num_heads * c.head_dim, c.intermediate_size);
-        // Values spread over [-1, 1), so activation quantization sees ordinary rows.
-        let input = |cols: usize| -> Vec<f32> {
-            (0..rows * cols)
-                .map(|i| (i * 7919 % 2003) as f32 / 1001.5 - 1.0)
                 .collect()
         };
-        let (xh, xa, xi) = (input(h), input(attn), input(inter));
-        for b in &self.blocks {
-            recycle(b.qkv.forward(&xh, h, dev)?);
-            recycle(b.o.forward_rows(&xa, attn, dev)?);
-            recycle(b.gate_up.forward(&xh, h, dev)?);
-            recycle(b.down.forward_rows(&xi, inter, dev)?);
-        }
-        recycle(self.lm_head.forward_rows(&xh, h, dev)?);
-        Ok(())
+        let normed = rms_norm(&x, h, &self.norm, c.rms_norm_eps as f32);
+        drop(x);
+        Ok(Logits {
+            values: self.lm_head.forward(&normed, h, &self.device)?,
+            vocab,
+        })
+    }
+
+    /// Every weight product of a step in the order the forward pass runs them — each
+    /// layer's Q/K/V, output, gate/up and down projections, then the vocabulary projection.
+    pub fn products(&self) -> impl Iterator<Item = Product<'_>> + '_ {
+        self.blocks
+            .iter()
+            .flat_map(|b| b.products(&self.config))
+            .chain(std::iter::once(Product::linear(
+                &self.lm_head,
+                self.config.hidden_size,
+            )))
     }
 }
 
 /// RMSNorm with ggml's arithmetic: squares in f32 summed in f64, `1 / sqrt(mean + eps)` in
 /// f32, the row scaled, then multiplied by the weight (activation quantization downstream
 /// sees bit-identical inputs, so GGUF models reproduce llama.cpp).
-fn rms_norm(x: &[f32], h: usize, w: &[f32], eps: f32) -> Vec<f32> {
-    let mut data = buffers::take(x.len());
+fn rms_norm(x: &[f32], h: usize, w: &[f32], eps: f32) -> Buf {
+    let mut data = Buf::take(x.len());
     data.copy_from_slice(x);
     if h == 0 {
         return data;
@@ -661,7 +768,7 @@ pub fn log_softmax(logits: &[f32]) -> Vec<f32> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::kernels::quant::WeightFormat;
+    use ferrite_kernels::quant::WeightFormat;
 
     /// A Q8_0 projection of 64 inputs to `rows` outputs, with a bias if asked.
     fn q8_linear(rows: usize, salt: usize, bias: bool) -> Linear {
@@ -723,7 +830,7 @@ mod tests {
             stacked.forward(&x, 64, &dev),
             separate.forward(&x, 64, &dev),
         );
-        let bits = |v: Vec<f32>| v.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+        let bits = |v: Buf| v.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
         assert_eq!(bits(got.expect("stacked")), bits(want.expect("separate")));
     }
 

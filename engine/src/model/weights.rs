@@ -4,7 +4,8 @@ use candle_core::quantized::QMatMul;
 use candle_core::{DType, Device, Module, Tensor};
 
 use crate::error::Result;
-use crate::kernels::quant::QuantMatrix;
+use ferrite_kernels::buffers::Buf;
+use ferrite_kernels::quant::QuantMatrix;
 
 /// A weight matrix used as `x @ W^T`: our own kernel for the common GGUF block formats,
 /// candle's for everything else (K-quants, float checkpoints).
@@ -19,13 +20,13 @@ pub enum Matmul {
 impl Matmul {
     /// Row-major `x` (`[tokens, cols]`) times the transposed weight, as a row-major vector:
     /// our kernel reads the rows where they are; candle's gets them as a tensor on `device`.
-    pub fn forward_rows(&self, x: &[f32], cols: usize, device: &Device) -> Result<Vec<f32>> {
+    pub fn forward_rows(&self, x: &[f32], cols: usize, device: &Device) -> Result<Buf> {
         match self {
             Matmul::Quant(w) => Ok(w.matmul(x)),
             Matmul::Candle(w) => {
                 let x = Tensor::from_slice(x, (x.len() / cols.max(1), cols), device)?;
                 let y = w.forward(&x)?.flatten_all()?.to_dtype(DType::F32)?;
-                Ok(y.to_vec1::<f32>()?)
+                Ok(Buf::from_vec(y.to_vec1::<f32>()?))
             }
         }
     }

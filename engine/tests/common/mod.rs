@@ -31,7 +31,7 @@ pub fn prefill_logits(
     use ferrite_engine::kv::cache::SingleSequence;
     use ferrite_engine::model::llama::KvDtype;
     let mut cache = SingleSequence::new(model, KvDtype::Auto);
-    Ok(cache.forward_all(model, ids)?.to_vec2::<f32>()?)
+    Ok(cache.forward_all(model, ids)?.to_vec2())
 }
 
 /// The fixture file with llama.cpp's reference outputs.

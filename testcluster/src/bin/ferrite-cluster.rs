@@ -1,6 +1,8 @@
 //! `make cluster`: runs the test control plane in the foreground for development, installs the
 //! CRDs named on the command line, prints the kubeconfig path, and stops everything on Ctrl-C.
 
+#![forbid(unsafe_code)]
+
 use std::path::PathBuf;
 
 use ferrite_testcluster::{install_crds, TestCluster};

@@ -23,27 +23,9 @@
 
 use std::arch::x86_64::*;
 
-use super::{QuantizedRow, WeightFormat, BLOCK};
-use crate::kernels::fold::{pairs, quarters};
-
-/// Proof that the CPU runs the 512-bit kernels — this one and the small-batch kernels in
-/// registers: AVX-512 F/BW/VL/VNNI and the AVX2, FMA and F16C their helpers use (every
-/// such CPU has them; checked rather than assumed). Only [`detect`] makes one.
-#[derive(Debug, Clone, Copy)]
-pub(super) struct Avx512(());
-
-/// The token when the CPU runs the 512-bit kernels, checked at run time.
-pub(super) fn detect() -> Option<Avx512> {
-    use std::arch::is_x86_feature_detected as has;
-    (has!("avx512f")
-        && has!("avx512bw")
-        && has!("avx512vl")
-        && has!("avx512vnni")
-        && has!("avx2")
-        && has!("fma")
-        && has!("f16c"))
-    .then_some(Avx512(()))
-}
+use crate::cpu::Avx512Vnni;
+use crate::fold::{pairs, quarters};
+use crate::quant::{QuantizedRow, WeightFormat, BLOCK};
 
 /// 64 bytes aligned for one 512-bit load.
 #[derive(Debug, Clone, Copy)]
@@ -101,7 +83,7 @@ struct QuadBlock {
 
 /// Four weight rows unpacked for the kernel, block by block.
 #[derive(Debug, Default)]
-pub(super) struct WideQuad {
+pub(crate) struct WideQuad {
     blocks: Vec<QuadBlock>,
     /// Per block, the scale products of the activation group at hand (lane `4k + r`: weight
     /// row `k`'s scale times activation row `r`'s).
@@ -110,9 +92,9 @@ pub(super) struct WideQuad {
 
 impl WideQuad {
     /// Unpacks four GGUF rows of `format` into this buffer, reusing its memory.
-    pub(super) fn fill(&mut self, cpu: Avx512, format: WeightFormat, rows: [&[u8]; 4]) {
+    pub(crate) fn fill(&mut self, cpu: Avx512Vnni, format: WeightFormat, rows: [&[u8]; 4]) {
         let _ = cpu;
-        // SAFETY: `cpu` exists only where `detect` found every feature `fill_quad` enables.
+        // SAFETY: `cpu` proves every feature `fill_quad` enables.
         unsafe { fill_quad(self, format, rows) }
     }
 }
@@ -197,7 +179,7 @@ fn fill_quad(quad: &mut WideQuad, format: WeightFormat, rows: [&[u8]; 4]) {
 /// Activation rows laid out for the kernel in groups of four (the last group padded with
 /// zero rows, whose results are dropped).
 #[derive(Debug)]
-pub(super) struct WideActs {
+pub(crate) struct WideActs {
     rows: usize,
     blocks: usize,
     /// Q4_1: `m · s` terms are added (and the integer sums start from zero).
@@ -213,7 +195,7 @@ pub(super) struct WideActs {
 
 impl WideActs {
     /// Lays out `acts` for weights of `format`.
-    pub(super) fn new(cpu: Avx512, format: WeightFormat, acts: &[QuantizedRow]) -> Self {
+    pub(crate) fn new(cpu: Avx512Vnni, format: WeightFormat, acts: &[QuantizedRow]) -> Self {
         let blocks = acts.first().map_or(0, |a| a.d.len());
         assert!(acts
             .iter()
@@ -256,14 +238,14 @@ impl WideActs {
         }
         if let Some(shift) = shift {
             let _ = cpu;
-            // SAFETY: `cpu` exists only where `detect` found every feature `starts` enables.
+            // SAFETY: `cpu` proves every feature `starts` enables.
             unsafe { starts(&mut out, shift) };
         }
         out
     }
 
     /// How many activation rows (without padding).
-    pub(super) fn rows(&self) -> usize {
+    pub(crate) fn rows(&self) -> usize {
         self.rows
     }
 }
@@ -285,9 +267,9 @@ fn starts(out: &mut WideActs, shift: u32) {
 
 /// `out[i]`: the four weight rows of `quad` against activation row `i` of `acts`; exactly
 /// the arithmetic of the row-at-a-time dot products.
-pub(super) fn tile(cpu: Avx512, quad: &mut WideQuad, acts: &WideActs, out: &mut [[f32; 4]]) {
+pub(crate) fn tile(cpu: Avx512Vnni, quad: &mut WideQuad, acts: &WideActs, out: &mut [[f32; 4]]) {
     let _ = cpu;
-    // SAFETY: `cpu` exists only where `detect` found every feature `tile_avx512` enables.
+    // SAFETY: `cpu` proves every feature `tile_avx512` enables.
     unsafe {
         if acts.mins {
             tile_avx512::<true>(quad, acts, out)
@@ -366,7 +348,7 @@ fn tile_avx512<const MINS: bool>(quad: &mut WideQuad, acts: &WideActs, out: &mut
 }
 
 /// The sixteen sums of a tile's accumulators, lane `4k + r` for weight row `k` and
-/// activation row `r`: each accumulator's eight lanes summed exactly as [`super::hsum8`]
+/// activation row `r`: each accumulator's eight lanes summed exactly as [`crate::quant::portable::hsum8`]
 /// does — lanes `j` and `j + 4`, then the pairs, then the last two — all at once.
 #[inline]
 #[target_feature(enable = "avx512f,avx2")]
@@ -390,7 +372,7 @@ fn finish(acc: [[__m256; 4]; 4]) -> __m512 {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::kernels::quant::{dot_q4_0, dot_q4_1, dot_q8_0};
+    use crate::quant::portable::{dot_q4_0, dot_q4_1, dot_q8_0};
     use half::f16;
 
     /// GGUF rows of `format` from a byte pattern, with finite scales (and minimums).
@@ -431,7 +413,8 @@ mod tests {
 
     #[test]
     fn the_wide_kernel_matches_the_portable_code_bit_for_bit() {
-        let Some(cpu) = detect() else {
+        let Some(cpu) = crate::cpu::detect().avx512_vnni() else {
+            eprintln!("not checked: this CPU has no AVX-512 VNNI");
             return;
         };
         let blocks = 5;

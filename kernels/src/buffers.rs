@@ -78,14 +78,53 @@ impl Pool {
     }
 }
 
-/// [`Pool::take`] from the process's pool.
-pub fn take(len: usize) -> Vec<f32> {
-    POOL.take(len)
+/// An f32 buffer from the process's pool that goes back to it when dropped, so no path
+/// through a forward pass can forget to return its intermediates.
+#[derive(Debug, Default, Clone, PartialEq)]
+pub struct Buf(Vec<f32>);
+
+impl Buf {
+    /// `len` values for the caller to overwrite whole ([`Pool::take`]: their contents are
+    /// whatever the recycled buffer held).
+    pub fn take(len: usize) -> Self {
+        Buf(POOL.take(len))
+    }
+
+    /// A buffer holding `v`'s values, returned to the pool when dropped.
+    pub fn from_vec(v: Vec<f32>) -> Self {
+        Buf(v)
+    }
+
+    /// The values, taken out of the pool's care.
+    pub fn into_vec(mut self) -> Vec<f32> {
+        std::mem::take(&mut self.0)
+    }
 }
 
-/// [`Pool::recycle`] into the process's pool.
-pub fn recycle(v: Vec<f32>) {
-    POOL.recycle(v)
+impl std::ops::Deref for Buf {
+    type Target = [f32];
+
+    fn deref(&self) -> &[f32] {
+        &self.0
+    }
+}
+
+impl std::ops::DerefMut for Buf {
+    fn deref_mut(&mut self) -> &mut [f32] {
+        &mut self.0
+    }
+}
+
+impl FromIterator<f32> for Buf {
+    fn from_iter<I: IntoIterator<Item = f32>>(iter: I) -> Self {
+        Buf(iter.into_iter().collect())
+    }
+}
+
+impl Drop for Buf {
+    fn drop(&mut self) {
+        POOL.recycle(std::mem::take(&mut self.0));
+    }
 }
 
 #[cfg(test)]
@@ -131,6 +170,16 @@ mod tests {
         );
         let v = pool.take(MIN_POOLED * 5 + 1);
         assert!(v.capacity() >= MIN_POOLED * 6 && v.capacity() < MIN_POOLED * 7);
+    }
+
+    #[test]
+    fn a_dropped_buf_is_taken_again() {
+        let b = Buf::take(MIN_POOLED * 3 + 1);
+        let at = b.as_ptr();
+        drop(b);
+        let again = Buf::take(MIN_POOLED * 3);
+        assert_eq!(again.as_ptr(), at, "the dropped buffer was not reused");
+        assert_eq!(again.len(), MIN_POOLED * 3);
     }
 
     #[test]

@@ -2,6 +2,10 @@
 //! polynomial (not libm), so the MLP of a GGUF model matches llama.cpp bit for bit; with
 //! AVX-512, sixteen lanes at a time exactly as ggml computes them.
 
+#[cfg(target_arch = "x86_64")]
+#[allow(unsafe_code)]
+mod avx512;
+
 /// ggml's `ggml_v_expf` (the AVX-512 version), one lane at a time.
 pub fn expf(x: f32) -> f32 {
     let c = f32::from_bits;
@@ -33,7 +37,7 @@ fn scale_by_pow2(j: f32, n: i32) -> f32 {
 /// `silu(gate) * up`, element by element, into `gate`.
 pub fn swiglu(gate: &mut [f32], up: &[f32]) {
     #[cfg(target_arch = "x86_64")]
-    if let Some(cpu) = avx512::detect() {
+    if let Some(cpu) = crate::cpu::detect().avx512() {
         return avx512::swiglu(cpu, gate, up);
     }
     swiglu_portable(gate, up);
@@ -50,10 +54,10 @@ fn swiglu_portable(gate: &mut [f32], up: &[f32]) {
 /// The MLP activation of a whole batch: `gate_up` holds each token's gate values followed
 /// by its up values (`[tokens, 2 * width]`, one stacked projection); returns
 /// `silu(gate) * up` as `[tokens, width]`, rows spread over the threads.
-pub fn swiglu_rows(gate_up: &[f32], width: usize) -> Vec<f32> {
+pub fn swiglu_rows(gate_up: &[f32], width: usize) -> crate::buffers::Buf {
     use rayon::prelude::*;
     let tokens = gate_up.len() / (2 * width).max(1);
-    let mut out = super::buffers::take(tokens * width);
+    let mut out = crate::buffers::Buf::take(tokens * width);
     let rows = super::rows_per_task(width);
     out.par_chunks_mut(rows * width.max(1))
         .zip(gate_up.par_chunks(rows * 2 * width.max(1)))
@@ -68,82 +72,6 @@ pub fn swiglu_rows(gate_up: &[f32], width: usize) -> Vec<f32> {
             }
         });
     out
-}
-
-/// ggml's AVX-512 `ggml_v_expf` and `ggml_v_silu`, sixteen lanes at a time.
-#[cfg(target_arch = "x86_64")]
-#[allow(unsafe_code)]
-mod avx512 {
-    use std::arch::x86_64::*;
-
-    /// Proof that the CPU has AVX-512 F; only [`detect`] makes one.
-    #[derive(Debug, Clone, Copy)]
-    pub(super) struct Cpu(());
-
-    /// The token when the CPU has AVX-512 F, checked at run time.
-    pub(super) fn detect() -> Option<Cpu> {
-        std::arch::is_x86_feature_detected!("avx512f").then_some(Cpu(()))
-    }
-
-    /// [`super::swiglu`] sixteen values at a time, the tail one at a time.
-    pub(super) fn swiglu(cpu: Cpu, gate: &mut [f32], up: &[f32]) {
-        let _ = cpu;
-        // SAFETY: `cpu` exists only where `detect` found avx512f.
-        unsafe { swiglu_avx512(gate, up) }
-    }
-
-    #[target_feature(enable = "avx512f")]
-    fn swiglu_avx512(gate: &mut [f32], up: &[f32]) {
-        let n = gate.len().min(up.len());
-        let whole = n / 16 * 16;
-        let one = _mm512_set1_ps(1.0);
-        for (g, u) in gate[..whole]
-            .chunks_exact_mut(16)
-            .zip(up[..whole].chunks_exact(16))
-        {
-            // SAFETY: `g` and `u` are sixteen f32 each: unaligned loads and a store.
-            unsafe {
-                let x = _mm512_loadu_ps(g.as_ptr());
-                let e = expf(_mm512_sub_ps(_mm512_setzero_ps(), x));
-                let silu = _mm512_div_ps(x, _mm512_add_ps(one, e));
-                _mm512_storeu_ps(
-                    g.as_mut_ptr(),
-                    _mm512_mul_ps(silu, _mm512_loadu_ps(u.as_ptr())),
-                );
-            }
-        }
-        super::swiglu_portable(&mut gate[whole..n], &up[whole..n]);
-    }
-
-    /// `ggml_v_expf`: the same constants and operations as [`super::expf`].
-    #[inline]
-    #[target_feature(enable = "avx512f")]
-    fn expf(x: __m512) -> __m512 {
-        let c = |bits: u32| _mm512_set1_ps(f32::from_bits(bits));
-        let r = c(0x4b40_0000);
-        let z = _mm512_fmadd_ps(x, c(0x3fb8_aa3b), r);
-        let n = _mm512_sub_ps(z, r);
-        let b = _mm512_fnmadd_ps(n, c(0x35bf_be8e), _mm512_fnmadd_ps(n, c(0x3f31_7200), x));
-        let huge = _mm512_cmp_ps_mask::<_CMP_GT_OQ>(_mm512_abs_ps(n), _mm512_set1_ps(192.0));
-        let u = _mm512_mul_ps(b, b);
-        let j = _mm512_fmadd_ps(
-            _mm512_fmadd_ps(
-                _mm512_fmadd_ps(c(0x3c07_2010), b, c(0x3d2b_9f17)),
-                u,
-                _mm512_fmadd_ps(c(0x3e2a_af33), b, c(0x3eff_fedb)),
-            ),
-            u,
-            _mm512_fmadd_ps(c(0x3f7f_fff6), b, _mm512_set1_ps(1.0)),
-        );
-        let res = _mm512_scalef_ps(j, n);
-        if huge == 0 {
-            return res;
-        }
-        let negative = _mm512_cmp_ps_mask::<_CMP_LE_OQ>(n, _mm512_setzero_ps());
-        let alt =
-            _mm512_mask_blend_ps(negative, _mm512_set1_ps(f32::INFINITY), _mm512_setzero_ps());
-        _mm512_mask_blend_ps(huge, res, alt)
-    }
 }
 
 #[cfg(test)]

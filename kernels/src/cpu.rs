@@ -1,0 +1,138 @@
+//! Which instruction-set tiers this CPU runs, detected once per process. Each tier is a
+//! proof token that only [`detect`] makes; every vector kernel takes the token of its tier
+//! (or is handed out by a function that does), so no path can run instructions the CPU
+//! lacks, and the portable code stays the reference each tier must equal bit for bit.
+
+use std::sync::OnceLock;
+
+/// The tiers found on this CPU.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Features {
+    #[cfg(target_arch = "x86_64")]
+    avx2: Option<Avx2>,
+    #[cfg(target_arch = "x86_64")]
+    avx512: Option<Avx512>,
+    #[cfg(target_arch = "x86_64")]
+    avx512_vnni: Option<Avx512Vnni>,
+}
+
+/// The CPU's tiers, checked at the first call and remembered.
+pub fn detect() -> Features {
+    static FEATURES: OnceLock<Features> = OnceLock::new();
+    *FEATURES.get_or_init(Features::probe)
+}
+
+impl Features {
+    #[cfg(target_arch = "x86_64")]
+    fn probe() -> Self {
+        use std::arch::is_x86_feature_detected as has;
+        let avx2 = (has!("avx2") && has!("fma") && has!("f16c")).then_some(Avx2(()));
+        let avx512 = avx2
+            .filter(|_| has!("avx512f") && has!("avx512bw") && has!("avx512vl"))
+            .map(|_| Avx512(()));
+        let avx512_vnni = avx512
+            .filter(|_| has!("avx512vnni"))
+            .map(|_| Avx512Vnni(()));
+        Features {
+            avx2,
+            avx512,
+            avx512_vnni,
+        }
+    }
+
+    #[cfg(not(target_arch = "x86_64"))]
+    fn probe() -> Self {
+        Features {}
+    }
+
+    /// AVX2 with FMA and F16C (x86-64-v3), if present.
+    #[cfg(target_arch = "x86_64")]
+    pub fn avx2(self) -> Option<Avx2> {
+        self.avx2
+    }
+
+    /// AVX-512 F, BW and VL (with the AVX2 tier), if present.
+    #[cfg(target_arch = "x86_64")]
+    pub fn avx512(self) -> Option<Avx512> {
+        self.avx512
+    }
+
+    /// AVX-512 with VNNI's integer dot products, if present.
+    #[cfg(target_arch = "x86_64")]
+    pub fn avx512_vnni(self) -> Option<Avx512Vnni> {
+        self.avx512_vnni
+    }
+
+    /// The tiers present, lowest first (`portable` always), as benchmark tables and kernel
+    /// tests name them.
+    pub fn tiers(self) -> Vec<&'static str> {
+        let mut tiers = vec!["portable"];
+        #[cfg(target_arch = "x86_64")]
+        {
+            tiers.extend(self.avx2.map(|_| "avx2"));
+            tiers.extend(self.avx512.map(|_| "avx512"));
+            tiers.extend(self.avx512_vnni.map(|_| "avx512-vnni"));
+        }
+        tiers
+    }
+}
+
+/// Proof that the CPU runs AVX2, FMA and F16C.
+#[cfg(target_arch = "x86_64")]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Avx2(());
+
+/// Proof that the CPU runs AVX-512 F, BW and VL, and the AVX2 tier.
+#[cfg(target_arch = "x86_64")]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Avx512(());
+
+/// Proof that the CPU runs AVX-512 VNNI, and the AVX-512 tier.
+#[cfg(target_arch = "x86_64")]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Avx512Vnni(());
+
+#[cfg(target_arch = "x86_64")]
+impl Avx512 {
+    /// The AVX2 tier, which every AVX-512 CPU found here also has.
+    pub fn avx2(self) -> Avx2 {
+        Avx2(())
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+impl Avx512Vnni {
+    /// The AVX-512 tier below it.
+    pub fn avx512(self) -> Avx512 {
+        Avx512(())
+    }
+
+    /// The AVX2 tier.
+    pub fn avx2(self) -> Avx2 {
+        Avx2(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn tiers_nest_and_are_named_lowest_first() {
+        let f = detect();
+        let tiers = f.tiers();
+        assert_eq!(tiers[0], "portable");
+        #[cfg(target_arch = "x86_64")]
+        {
+            assert!(f.avx512().is_none() || f.avx2().is_some());
+            assert!(f.avx512_vnni().is_none() || f.avx512().is_some());
+            assert_eq!(
+                tiers.len(),
+                1 + usize::from(f.avx2().is_some())
+                    + usize::from(f.avx512().is_some())
+                    + usize::from(f.avx512_vnni().is_some())
+            );
+        }
+        eprintln!("kernel tiers this CPU runs: {}", tiers.join(", "));
+    }
+}

@@ -1,0 +1,301 @@
+//! The quantized products with AVX2: `maddubs` + `madd` give exactly the eight four-value
+//! integer lanes of the portable code, then one fused multiply-add per block. Every entry
+//! point takes (or is handed out by a function that takes) the [`Avx2`] token.
+
+use std::arch::x86_64::*;
+
+use super::portable::hsum8;
+use super::{f16_at, Dot, Dot4, QuantizedRow, Tile, Unpacked, WeightFormat, BLOCK};
+use crate::cpu::Avx2;
+
+const Q4_0: usize = WeightFormat::Q4_0.block_bytes();
+const Q4_1: usize = WeightFormat::Q4_1.block_bytes();
+const Q8_0: usize = WeightFormat::Q8_0.block_bytes();
+
+/// Eight f32 lanes of a vector.
+#[inline(always)]
+fn lanes(v: __m256) -> [f32; 8] {
+    let mut out = [0f32; 8];
+    // SAFETY: `out` holds exactly eight f32; storeu has no alignment requirement.
+    unsafe { _mm256_storeu_ps(out.as_mut_ptr(), v) };
+    out
+}
+
+/// Unsigned weight bytes times signed activation bytes, four products per i32 lane.
+#[inline]
+#[target_feature(enable = "avx2")]
+fn lane_sums(qx: __m256i, qy: __m256i) -> __m256 {
+    let pairs = _mm256_maddubs_epi16(qx, qy);
+    _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_set1_epi16(1), pairs))
+}
+
+/// [`super::portable::quantize_block`] with AVX2: the same scale, `127 / amax` products
+/// and round-half-even conversion (the default rounding mode), so the same bytes.
+#[inline]
+pub(super) fn quantize_block(cpu: Avx2, block: &[f32], q: &mut [i8]) -> (f32, i32) {
+    let _ = cpu;
+    // SAFETY: `cpu` proves AVX2.
+    unsafe { quantize_block_avx2(block, q) }
+}
+
+#[target_feature(enable = "avx2")]
+fn quantize_block_avx2(block: &[f32], q: &mut [i8]) -> (f32, i32) {
+    assert!(block.len() == BLOCK && q.len() == BLOCK);
+    // SAFETY: `block` holds exactly 32 f32 (asserted): four unaligned 8-lane loads.
+    let v = unsafe {
+        let p = block.as_ptr();
+        [
+            _mm256_loadu_ps(p),
+            _mm256_loadu_ps(p.add(8)),
+            _mm256_loadu_ps(p.add(16)),
+            _mm256_loadu_ps(p.add(24)),
+        ]
+    };
+    let abs = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFF_FFFF));
+    let m = _mm256_max_ps(
+        _mm256_max_ps(_mm256_and_ps(v[0], abs), _mm256_and_ps(v[1], abs)),
+        _mm256_max_ps(_mm256_and_ps(v[2], abs), _mm256_and_ps(v[3], abs)),
+    );
+    let m4 = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps::<1>(m));
+    let m2 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    let amax = _mm_cvtss_f32(_mm_max_ss(m2, _mm_movehdup_ps(m2)));
+    let d = amax / 127.0;
+    let id = _mm256_set1_ps(if amax != 0.0 { 127.0 / amax } else { 0.0 });
+    let i = [
+        _mm256_cvtps_epi32(_mm256_mul_ps(v[0], id)),
+        _mm256_cvtps_epi32(_mm256_mul_ps(v[1], id)),
+        _mm256_cvtps_epi32(_mm256_mul_ps(v[2], id)),
+        _mm256_cvtps_epi32(_mm256_mul_ps(v[3], id)),
+    ];
+    let total = _mm256_add_epi32(_mm256_add_epi32(i[0], i[1]), _mm256_add_epi32(i[2], i[3]));
+    let t4 = _mm_add_epi32(
+        _mm256_castsi256_si128(total),
+        _mm256_extracti128_si256::<1>(total),
+    );
+    let t2 = _mm_add_epi32(t4, _mm_unpackhi_epi64(t4, t4));
+    let sum = _mm_cvtsi128_si32(_mm_add_epi32(t2, _mm_shuffle_epi32::<1>(t2)));
+    // Packing interleaves 128-bit lanes; the permutation restores value order.
+    let bytes = _mm256_packs_epi16(
+        _mm256_packs_epi32(i[0], i[1]),
+        _mm256_packs_epi32(i[2], i[3]),
+    );
+    let ordered = _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+    // SAFETY: `q` holds exactly 32 bytes (asserted); storeu is unaligned.
+    unsafe { _mm256_storeu_si256(q.as_mut_ptr().cast(), ordered) };
+    (d, sum)
+}
+
+#[inline]
+#[target_feature(enable = "avx2")]
+fn nibbles(qs: &[u8]) -> __m256i {
+    assert!(qs.len() >= 16);
+    // SAFETY: the assertion guarantees 16 readable bytes; loadu is unaligned.
+    let raw = unsafe { _mm_loadu_si128(qs.as_ptr().cast()) };
+    let both = _mm256_set_m128i(_mm_srli_epi16(raw, 4), raw);
+    _mm256_and_si256(both, _mm256_set1_epi8(0x0F))
+}
+
+/// One activation block's 32 signed bytes.
+#[inline]
+#[target_feature(enable = "avx2")]
+fn activation(a: &QuantizedRow, i: usize) -> __m256i {
+    let q = &a.q[i * BLOCK..(i + 1) * BLOCK];
+    // SAFETY: `q` is exactly 32 bytes; loadu is unaligned.
+    unsafe { _mm256_loadu_si256(q.as_ptr().cast()) }
+}
+
+#[target_feature(enable = "avx2,fma")]
+fn q4_1(w: &[u8], a: &QuantizedRow) -> f32 {
+    let mut acc = _mm256_setzero_ps();
+    let mut summs = 0f32;
+    for (i, b) in w.chunks_exact(Q4_1).enumerate() {
+        summs = f16_at(b, 2).mul_add(a.s[i], summs);
+        let d = _mm256_set1_ps(f16_at(b, 0) * a.d[i]);
+        acc = _mm256_fmadd_ps(d, lane_sums(nibbles(&b[4..]), activation(a, i)), acc);
+    }
+    hsum8(lanes(acc)) + summs
+}
+
+/// One block of one Q4_1 row: the fused `m * s` term and the eight-lane update.
+#[inline]
+#[target_feature(enable = "avx2,fma")]
+fn q4_1_block(
+    b: &[u8],
+    a: &QuantizedRow,
+    i: usize,
+    qy: __m256i,
+    acc: __m256,
+    summs: f32,
+) -> (__m256, f32) {
+    let summs = f16_at(b, 2).mul_add(a.s[i], summs);
+    let d = _mm256_set1_ps(f16_at(b, 0) * a.d[i]);
+    (
+        _mm256_fmadd_ps(d, lane_sums(nibbles(&b[4..]), qy), acc),
+        summs,
+    )
+}
+
+#[target_feature(enable = "avx2,fma")]
+fn q4_1_x4(w: [&[u8]; 4], a: &QuantizedRow) -> [f32; 4] {
+    let (mut a0, mut a1, mut a2, mut a3) = (
+        _mm256_setzero_ps(),
+        _mm256_setzero_ps(),
+        _mm256_setzero_ps(),
+        _mm256_setzero_ps(),
+    );
+    let (mut s0, mut s1, mut s2, mut s3) = (0f32, 0f32, 0f32, 0f32);
+    let blocks = w.map(|r| r.chunks_exact(Q4_1));
+    let [b0, b1, b2, b3] = blocks;
+    for (i, (((x0, x1), x2), x3)) in b0.zip(b1).zip(b2).zip(b3).enumerate() {
+        let qy = activation(a, i);
+        (a0, s0) = q4_1_block(x0, a, i, qy, a0, s0);
+        (a1, s1) = q4_1_block(x1, a, i, qy, a1, s1);
+        (a2, s2) = q4_1_block(x2, a, i, qy, a2, s2);
+        (a3, s3) = q4_1_block(x3, a, i, qy, a3, s3);
+    }
+    [
+        hsum8(lanes(a0)) + s0,
+        hsum8(lanes(a1)) + s1,
+        hsum8(lanes(a2)) + s2,
+        hsum8(lanes(a3)) + s3,
+    ]
+}
+
+/// One block of one Q4_0/Q8_0 row: the eight-lane update.
+#[inline]
+#[target_feature(enable = "avx2,fma")]
+fn signed_block(
+    b: &[u8],
+    a: &QuantizedRow,
+    i: usize,
+    qy: __m256i,
+    acc: __m256,
+    four_bit: bool,
+) -> __m256 {
+    let qx = if four_bit {
+        _mm256_sub_epi8(nibbles(&b[2..]), _mm256_set1_epi8(8))
+    } else {
+        assert!(b.len() >= 34);
+        // SAFETY: the assertion guarantees the block's 32 value bytes after its scale.
+        unsafe { _mm256_loadu_si256(b[2..].as_ptr().cast()) }
+    };
+    // |x| times sign(x)·y: the same products, with the unsigned-by-signed instruction.
+    let prod = lane_sums(_mm256_sign_epi8(qx, qx), _mm256_sign_epi8(qy, qx));
+    _mm256_fmadd_ps(_mm256_set1_ps(f16_at(b, 0) * a.d[i]), prod, acc)
+}
+
+#[target_feature(enable = "avx2,fma")]
+fn signed_x4(w: [&[u8]; 4], a: &QuantizedRow, stride: usize, four_bit: bool) -> [f32; 4] {
+    let (mut a0, mut a1, mut a2, mut a3) = (
+        _mm256_setzero_ps(),
+        _mm256_setzero_ps(),
+        _mm256_setzero_ps(),
+        _mm256_setzero_ps(),
+    );
+    let [b0, b1, b2, b3] = w.map(|r| r.chunks_exact(stride));
+    for (i, (((x0, x1), x2), x3)) in b0.zip(b1).zip(b2).zip(b3).enumerate() {
+        let qy = activation(a, i);
+        a0 = signed_block(x0, a, i, qy, a0, four_bit);
+        a1 = signed_block(x1, a, i, qy, a1, four_bit);
+        a2 = signed_block(x2, a, i, qy, a2, four_bit);
+        a3 = signed_block(x3, a, i, qy, a3, four_bit);
+    }
+    [a0, a1, a2, a3].map(|v| hsum8(lanes(v)))
+}
+
+#[target_feature(enable = "avx2,fma")]
+fn signed(w: &[u8], a: &QuantizedRow, stride: usize, four_bit: bool) -> f32 {
+    let mut acc = _mm256_setzero_ps();
+    for (i, b) in w.chunks_exact(stride).enumerate() {
+        acc = signed_block(b, a, i, activation(a, i), acc, four_bit);
+    }
+    hsum8(lanes(acc))
+}
+
+#[target_feature(enable = "avx2,fma")]
+fn tile_avx2(u: &Unpacked, a: &QuantizedRow) -> [f32; 4] {
+    let mut acc = [_mm256_setzero_ps(); 4];
+    let mut summs = [0f32; 4];
+    for i in 0..a.d.len() {
+        let qy = activation(a, i);
+        for r in 0..4 {
+            let k = i * 4 + r;
+            // SAFETY: each unpacked block is exactly 32 bytes; loadu is unaligned.
+            let qx = unsafe { _mm256_loadu_si256(u.q[k].as_ptr().cast()) };
+            let prod = if u.signed {
+                lane_sums(_mm256_sign_epi8(qx, qx), _mm256_sign_epi8(qy, qx))
+            } else {
+                summs[r] = u.m[k].mul_add(a.s[i], summs[r]);
+                lane_sums(qx, qy)
+            };
+            acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(u.d[k] * a.d[i]), prod, acc[r]);
+        }
+    }
+    [0, 1, 2, 3].map(|r| hsum8(lanes(acc[r])) + if u.signed { 0.0 } else { summs[r] })
+}
+
+/// The dot product for `format`.
+pub(super) fn dot(cpu: Avx2, format: WeightFormat) -> Dot {
+    let _ = cpu;
+    match format {
+        WeightFormat::Q4_1 => dot_q4_1,
+        WeightFormat::Q4_0 => dot_q4_0,
+        WeightFormat::Q8_0 => dot_q8_0,
+    }
+}
+
+/// Four rows' dot products side by side for `format`.
+pub(super) fn dot4(cpu: Avx2, format: WeightFormat) -> Dot4 {
+    let _ = cpu;
+    match format {
+        WeightFormat::Q4_1 => dot4_q4_1,
+        WeightFormat::Q4_0 => dot4_q4_0,
+        WeightFormat::Q8_0 => dot4_q8_0,
+    }
+}
+
+/// The buffered tile.
+pub(super) fn tile(cpu: Avx2) -> Tile {
+    let _ = cpu;
+    tile_rows
+}
+
+// The functions below are handed out only by `dot`, `dot4` and `tile`, which take the
+// `Avx2` token: each runs only where AVX2 and FMA were detected.
+
+fn tile_rows(u: &Unpacked, a: &[QuantizedRow], out: &mut [[f32; 4]]) {
+    for (a, out) in a.iter().zip(out) {
+        // SAFETY: handed out by `tile`, which takes the AVX2 token.
+        *out = unsafe { tile_avx2(u, a) };
+    }
+}
+
+fn dot4_q4_1(w: [&[u8]; 4], a: &QuantizedRow) -> [f32; 4] {
+    // SAFETY: handed out by `dot4`, which takes the AVX2 token.
+    unsafe { q4_1_x4(w, a) }
+}
+
+fn dot4_q4_0(w: [&[u8]; 4], a: &QuantizedRow) -> [f32; 4] {
+    // SAFETY: handed out by `dot4`, which takes the AVX2 token.
+    unsafe { signed_x4(w, a, Q4_0, true) }
+}
+
+fn dot4_q8_0(w: [&[u8]; 4], a: &QuantizedRow) -> [f32; 4] {
+    // SAFETY: handed out by `dot4`, which takes the AVX2 token.
+    unsafe { signed_x4(w, a, Q8_0, false) }
+}
+
+fn dot_q4_1(w: &[u8], a: &QuantizedRow) -> f32 {
+    // SAFETY: handed out by `dot`, which takes the AVX2 token.
+    unsafe { q4_1(w, a) }
+}
+
+fn dot_q4_0(w: &[u8], a: &QuantizedRow) -> f32 {
+    // SAFETY: handed out by `dot`, which takes the AVX2 token.
+    unsafe { signed(w, a, Q4_0, true) }
+}
+
+fn dot_q8_0(w: &[u8], a: &QuantizedRow) -> f32 {
+    // SAFETY: handed out by `dot`, which takes the AVX2 token.
+    unsafe { signed(w, a, Q8_0, false) }
+}

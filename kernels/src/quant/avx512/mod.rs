@@ -1,0 +1,216 @@
+//! The quantized products with AVX-512: the packed tile for a few activation rows (two
+//! weight rows per 512-bit register, each block unpacked once in registers for all rows)
+//! and, in [`wide`], the kernel for batches. Every entry point takes the
+//! [`Avx512Vnni`] token.
+
+pub(super) mod wide;
+
+use std::arch::x86_64::*;
+
+use super::portable::hsum8;
+use super::{PackedTile, QuantizedRow, WeightFormat, BLOCK};
+use crate::cpu::Avx512Vnni;
+
+/// The four outputs of two paired accumulators (rows 0-1, 2-3): each half reduced as
+/// [`hsum8`] does, plus the row's `m · s` sum for Q4_1 (`with_mins`).
+#[inline]
+#[target_feature(enable = "avx512f")]
+fn finish_rows(acc: [__m512; 2], summs: __m128, with_mins: bool) -> [f32; 4] {
+    let mut m = [0f32; 4];
+    // SAFETY: `m` holds exactly four f32.
+    unsafe { _mm_storeu_ps(m.as_mut_ptr(), summs) };
+    let mut out = [0f32; 4];
+    for (p, pair) in acc.iter().enumerate() {
+        let mut all = [0f32; 16];
+        // SAFETY: `all` holds exactly sixteen f32.
+        unsafe { _mm512_storeu_ps(all.as_mut_ptr(), *pair) };
+        for half in 0..2 {
+            let mut l = [0f32; 8];
+            l.copy_from_slice(&all[half * 8..half * 8 + 8]);
+            let row = 2 * p + half;
+            out[row] = hsum8(l) + if with_mins { m[row] } else { 0.0 };
+        }
+    }
+    out
+}
+
+/// The 32-byte values of block `at` of two Q8_0 rows, one row per 256-bit half.
+///
+/// # Safety
+/// Both rows must hold 32 readable bytes at `at`.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx2")]
+unsafe fn row_pair_q8(a: &[u8], b: &[u8], at: usize) -> __m512i {
+    // SAFETY: the caller guarantees 32 readable bytes at `at` in both rows.
+    unsafe {
+        let lo = _mm256_loadu_si256(a.as_ptr().add(at).cast());
+        let hi = _mm256_loadu_si256(b.as_ptr().add(at).cast());
+        _mm512_inserti64x4::<1>(_mm512_castsi256_si512(lo), hi)
+    }
+}
+
+/// The 32 values of the 4-bit block whose 16 packed bytes start at `at` in each of two
+/// rows, minus `shift`, laid out `[a lo, a hi, b lo, b hi]` (16 bytes each).
+///
+/// # Safety
+/// Both rows must hold 16 readable bytes at `at`.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx2")]
+unsafe fn row_pair_q4(a: &[u8], b: &[u8], at: usize, shift: i8) -> __m512i {
+    // SAFETY: the caller guarantees 16 readable bytes at `at` in both rows.
+    let y = unsafe {
+        let lo = _mm_loadu_si128(a.as_ptr().add(at).cast());
+        let hi = _mm_loadu_si128(b.as_ptr().add(at).cast());
+        _mm256_inserti128_si256::<1>(_mm256_castsi128_si256(lo), hi)
+    };
+    // [a qs, b qs, a qs >> 4, b qs >> 4] -> [a lo, a hi, b lo, b hi].
+    let z = _mm512_inserti64x4::<1>(_mm512_castsi256_si512(y), _mm256_srli_epi16::<4>(y));
+    let z = _mm512_and_si512(z, _mm512_set1_epi8(0x0F));
+    let z = _mm512_permutexvar_epi64(_mm512_setr_epi64(0, 1, 4, 5, 2, 3, 6, 7), z);
+    _mm512_sub_epi8(z, _mm512_set1_epi8(shift))
+}
+
+/// Q4_0 weights, for the `F` parameter of [`packed_avx512`].
+const FMT_Q4_0: u8 = 0;
+/// Q4_1 weights (unsigned values and a minimum per block).
+const FMT_Q4_1: u8 = 1;
+/// Q8_0 weights.
+const FMT_Q8_0: u8 = 2;
+
+/// Four GGUF weight rows of format `F` against `R` activation rows, two weight rows per
+/// 512-bit register (lanes 0..8 the first, 8..16 the second), unpacking each block
+/// straight from the GGUF bytes once for all `R` rows (no round trip through memory): the
+/// lanes, scales and fused multiply-adds of every output are exactly the 256-bit kernel's.
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
+fn packed_avx512<const F: u8, const R: usize>(
+    w: [&[u8]; 4],
+    acts: &[QuantizedRow],
+    out: &mut [[f32; 4]],
+) {
+    let stride = match F {
+        FMT_Q8_0 => WeightFormat::Q8_0,
+        FMT_Q4_1 => WeightFormat::Q4_1,
+        _ => WeightFormat::Q4_0,
+    }
+    .block_bytes();
+    let unsigned = F == FMT_Q4_1;
+    assert!(acts.len() == R && out.len() == R);
+    let nb = acts[0].d.len();
+    assert!(w.iter().all(|r| r.len() == nb * stride));
+    assert!(acts
+        .iter()
+        .all(|a| a.d.len() == nb && a.q.len() == nb * BLOCK));
+    assert!(!unsigned || acts.iter().all(|a| a.s.len() == nb));
+    // [d0 m0 d1 m1 d2 m2 d3 m3] -> [d0 x8, d1 x8] and [d2 x8, d3 x8]; m as four lanes.
+    let pair01 = _mm512_set_epi32(2, 2, 2, 2, 2, 2, 2, 2, 0, 0, 0, 0, 0, 0, 0, 0);
+    let pair23 = _mm512_set_epi32(6, 6, 6, 6, 6, 6, 6, 6, 4, 4, 4, 4, 4, 4, 4, 4);
+    let mins = _mm256_setr_epi32(1, 3, 5, 7, 0, 0, 0, 0);
+    let mut acc = [[_mm512_setzero_ps(); 2]; R];
+    let mut summs = [_mm_setzero_ps(); R];
+    for i in 0..nb {
+        let at = i * stride;
+        // SAFETY: every row holds `nb` blocks of `stride` bytes (asserted), so each read
+        // below stays inside block `i` of its row; all loads are unaligned.
+        let (qx, heads) = unsafe {
+            let head = |r: usize| (w[r].as_ptr().add(at) as *const u32).read_unaligned();
+            let heads = _mm_setr_epi32(
+                head(0) as i32,
+                head(1) as i32,
+                head(2) as i32,
+                head(3) as i32,
+            );
+            let qx = match F {
+                FMT_Q8_0 => [
+                    row_pair_q8(w[0], w[1], at + 2),
+                    row_pair_q8(w[2], w[3], at + 2),
+                ],
+                FMT_Q4_1 => [
+                    row_pair_q4(w[0], w[1], at + 4, 0),
+                    row_pair_q4(w[2], w[3], at + 4, 0),
+                ],
+                _ => [
+                    row_pair_q4(w[0], w[1], at + 2, 8),
+                    row_pair_q4(w[2], w[3], at + 2, 8),
+                ],
+            };
+            (qx, heads)
+        };
+        let dm = _mm512_castps256_ps512(_mm256_cvtph_ps(heads));
+        let scales = [
+            _mm512_permutexvar_ps(pair01, dm),
+            _mm512_permutexvar_ps(pair23, dm),
+        ];
+        let m4 = _mm256_castps256_ps128(_mm256_permutevar8x32_ps(_mm512_castps512_ps256(dm), mins));
+        // Signed weights: |x| times sign(x)·y (there is no 512-bit sign instruction).
+        let (negative, magnitude) = if unsigned {
+            ([0; 2], qx)
+        } else {
+            (
+                [_mm512_movepi8_mask(qx[0]), _mm512_movepi8_mask(qx[1])],
+                [_mm512_abs_epi8(qx[0]), _mm512_abs_epi8(qx[1])],
+            )
+        };
+        for r in 0..R {
+            let a = &acts[r];
+            // SAFETY: block `i` of each activation is 32 bytes inside its `q` (asserted).
+            let qy = unsafe {
+                _mm512_broadcast_i64x4(_mm256_loadu_si256(a.q.as_ptr().add(i * BLOCK).cast()))
+            };
+            let ad = _mm512_set1_ps(a.d[i]);
+            for p in 0..2 {
+                let sy = if unsigned {
+                    qy
+                } else {
+                    _mm512_mask_sub_epi8(qy, negative[p], _mm512_setzero_si512(), qy)
+                };
+                let prod = _mm512_dpbusd_epi32(_mm512_setzero_si512(), magnitude[p], sy);
+                let d = _mm512_mul_ps(scales[p], ad);
+                acc[r][p] = _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(prod), acc[r][p]);
+            }
+            if unsigned {
+                summs[r] = _mm_fmadd_ps(m4, _mm_set1_ps(a.s[i]), summs[r]);
+            }
+        }
+    }
+    for r in 0..R {
+        out[r] = finish_rows(acc[r], summs[r], unsigned);
+    }
+}
+
+/// [`packed_avx512`] over any number of activation rows, four at a time.
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
+fn packed_rows_avx512<const F: u8>(w: [&[u8]; 4], acts: &[QuantizedRow], out: &mut [[f32; 4]]) {
+    let fours = acts.len() / 4 * 4;
+    for (a, o) in acts[..fours].chunks_exact(4).zip(out.chunks_exact_mut(4)) {
+        packed_avx512::<F, 4>(w, a, o);
+    }
+    for (a, o) in acts[fours..].chunks(1).zip(out[fours..].chunks_mut(1)) {
+        packed_avx512::<F, 1>(w, a, o);
+    }
+}
+
+/// The packed tile for `format`.
+pub(super) fn packed_tile(cpu: Avx512Vnni, format: WeightFormat) -> PackedTile {
+    let _ = cpu;
+    match format {
+        WeightFormat::Q4_1 => packed_q4_1,
+        WeightFormat::Q4_0 => packed_q4_0,
+        WeightFormat::Q8_0 => packed_q8_0,
+    }
+}
+
+fn packed_q4_1(w: [&[u8]; 4], a: &[QuantizedRow], out: &mut [[f32; 4]]) {
+    // SAFETY: handed out only by `packed_tile`, which takes the AVX-512 VNNI token (the
+    // AVX2, FMA and F16C tier included).
+    unsafe { packed_rows_avx512::<FMT_Q4_1>(w, a, out) }
+}
+
+fn packed_q4_0(w: [&[u8]; 4], a: &[QuantizedRow], out: &mut [[f32; 4]]) {
+    // SAFETY: as in `packed_q4_1`.
+    unsafe { packed_rows_avx512::<FMT_Q4_0>(w, a, out) }
+}
+
+fn packed_q8_0(w: [&[u8]; 4], a: &[QuantizedRow], out: &mut [[f32; 4]]) {
+    // SAFETY: as in `packed_q4_1`.
+    unsafe { packed_rows_avx512::<FMT_Q8_0>(w, a, out) }
+}

@@ -1,0 +1,581 @@
+//! Quantized matmul on CPU for the GGUF block formats the Llama family ships in (Q4_0,
+//! Q4_1, Q8_0): activations are quantized to 8 bits per 32-value block, then each output is
+//! an integer dot product per block scaled and summed in f32.
+//!
+//! The arithmetic is ggml's x86 code, operation for operation — activation scale
+//! `127 / amax` with round-half-even, block sums accumulated in eight lanes with fused
+//! multiply-adds and reduced in the same tree — so a GGUF model gives llama.cpp's
+//! logits bit for bit rather than merely close (a small model amplifies any rounding
+//! difference into different tokens within a few dozen steps). Each output depends only on
+//! its own activation row and weight row, in a fixed order, so results are batch-invariant.
+//! The kernel walks weight rows in parallel and streams each once for all activation rows.
+//!
+//! This module holds the matrix type and how a product is planned; the arithmetic lives
+//! in one file per instruction set — [`portable`] (the reference every other tier equals
+//! bit for bit), `sse2`, `avx2` and `avx512` — each chosen at run time through
+//! [`crate::cpu`]'s tokens.
+
+use std::ops::{Deref, Range};
+use std::sync::Arc;
+
+use half::f16;
+use rayon::prelude::*;
+
+use crate::buffers::Buf;
+use crate::cpu;
+use crate::hugepages::HugePages;
+
+#[cfg(target_arch = "x86_64")]
+#[allow(unsafe_code)]
+mod avx2;
+#[cfg(target_arch = "x86_64")]
+#[allow(unsafe_code)]
+mod avx512;
+pub(crate) mod portable;
+#[cfg(target_arch = "x86_64")]
+#[allow(unsafe_code)]
+mod sse2;
+#[cfg(test)]
+mod tests;
+
+use portable::{dot_q4_0, dot_q4_1, dot_q8_0, nibbles, quantize_block, tile_portable};
+
+/// Values per quantization block in every format here.
+pub const BLOCK: usize = 32;
+
+/// Weight formats with a kernel of our own.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum WeightFormat {
+    /// 4-bit values with one f16 scale per block, offset by 8.
+    Q4_0,
+    /// 4-bit values with an f16 scale and an f16 minimum per block.
+    Q4_1,
+    /// 8-bit values with one f16 scale per block.
+    Q8_0,
+}
+
+impl WeightFormat {
+    /// Bytes of one 32-value block in GGUF: the scale (and, for Q4_1, the minimum) as f16,
+    /// then the values.
+    pub const fn block_bytes(self) -> usize {
+        match self {
+            WeightFormat::Q4_0 => 18,
+            WeightFormat::Q4_1 => 20,
+            WeightFormat::Q8_0 => 34,
+        }
+    }
+}
+
+/// A `[rows, cols]` quantized weight matrix, used as `x @ W^T`, kept in its GGUF encoding.
+#[derive(Debug, Clone)]
+pub struct QuantMatrix {
+    format: WeightFormat,
+    rows: usize,
+    cols: usize,
+    data: Bytes,
+}
+
+/// Where a matrix's GGUF bytes live.
+#[derive(Debug, Clone)]
+enum Bytes {
+    /// An allocation of its own.
+    Own(Vec<u8>),
+    /// A stretch of a huge-page arena shared with other matrices ([`QuantMatrix::share_huge_pages`]).
+    Shared(Arc<HugePages>, Range<usize>),
+}
+
+impl Deref for Bytes {
+    type Target = [u8];
+
+    fn deref(&self) -> &[u8] {
+        match self {
+            Bytes::Own(v) => v,
+            Bytes::Shared(arena, r) => &arena[r.clone()],
+        }
+    }
+}
+
+/// The little-endian f16 at byte `at` of `b`, widened.
+fn f16_at(b: &[u8], at: usize) -> f32 {
+    f16::from_le_bytes([b[at], b[at + 1]]).to_f32()
+}
+
+/// How many groups of four weight rows ahead a quantized product asks the memory system
+/// for: the weights stream from memory once per step (once per task in a long prefill), and
+/// the hardware prefetcher alone leaves the kernels waiting on them.
+const PREFETCH_QUADS: usize = 4;
+
+/// Asks for `bytes` to be brought into the cache ahead of their use (a hint: no effect on
+/// results, and none at all on CPUs without the instruction).
+fn prefetch(bytes: &[u8]) {
+    #[cfg(target_arch = "x86_64")]
+    for line in bytes.chunks(64) {
+        sse2::prefetch_line(line);
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = bytes;
+}
+
+/// Fewest weight rows each parallel task of a small-batch product computes.
+const ROWS_PER_TASK: usize = 16;
+
+/// Tasks per thread a small-batch product aims for: enough to balance the threads when one
+/// runs late, few enough that each task streams a long run of weight rows with its prefetch
+/// running ahead (every task starts cold) and the pool's scheduling stays cheap — 16 made
+/// single-stream decode ~13 % slower than 4.
+const TASKS_PER_THREAD: usize = 4;
+
+/// Output bytes each parallel task of a matrix-matrix product aims to write: its weights are
+/// re-read once per task, so tasks are large, but its scattered output rows stay within the
+/// core's cache (a wide output, such as the stacked gate/up projection, gets fewer rows).
+const TASK_OUTPUT_BYTES: usize = 384 << 10;
+
+/// Fewest and most activation rows of such a task.
+const ACT_ROWS_PER_TASK: (usize, usize) = (16, 128);
+
+/// From this many activation rows, the AVX-512 kernel (`avx512::wide`) runs; below, the weight
+/// blocks are unpacked in registers for each row instead of into a buffer shared by all.
+const WIDE_MIN_ROWS: usize = 8;
+
+/// Up to this many activation rows, a matrix product splits the weight rows among threads
+/// (each weight block unpacked once); beyond it, the activation rows.
+const WEIGHT_PARALLEL_MAX_ROWS: usize = 32;
+
+impl QuantMatrix {
+    /// Wraps GGUF block data of a `[rows, cols]` matrix; `None` if the sizes disagree.
+    pub fn from_gguf(format: WeightFormat, rows: usize, cols: usize, data: &[u8]) -> Option<Self> {
+        if !cols.is_multiple_of(BLOCK) || data.len() != rows * cols / BLOCK * format.block_bytes() {
+            return None;
+        }
+        Some(QuantMatrix {
+            format,
+            rows,
+            cols,
+            data: Bytes::Own(data.to_vec()),
+        })
+    }
+
+    /// The matrices' rows one after another, as one matrix (projections of the same input
+    /// computed in one pass); `None` unless all share a format and a width.
+    pub fn stack(parts: &[&QuantMatrix]) -> Option<Self> {
+        let first = parts.first()?;
+        if parts
+            .iter()
+            .any(|p| p.format != first.format || p.cols != first.cols)
+        {
+            return None;
+        }
+        Some(QuantMatrix {
+            format: first.format,
+            rows: parts.iter().map(|p| p.rows).sum(),
+            cols: first.cols,
+            data: Bytes::Own(parts.iter().flat_map(|p| p.data.iter().copied()).collect()),
+        })
+    }
+
+    /// Moves the matrices' bytes into one arena backed by huge pages ([`HugePages`]): a
+    /// step streams every weight, and small pages would make it wait on page walks. Values
+    /// and results are unchanged.
+    pub fn share_huge_pages(matrices: &mut [&mut QuantMatrix]) {
+        // Taken out, so each matrix's own bytes are freed once copied.
+        let parts: Vec<Bytes> = matrices
+            .iter_mut()
+            .map(|m| std::mem::replace(&mut m.data, Bytes::Own(Vec::new())))
+            .collect();
+        let (arena, ranges) = HugePages::pack(parts);
+        let arena = Arc::new(arena);
+        for (m, r) in matrices.iter_mut().zip(ranges) {
+            m.data = Bytes::Shared(Arc::clone(&arena), r);
+        }
+    }
+
+    /// Row `r` decoded to f32 into `out` (`cols` values), as ggml's and candle's
+    /// `dequantize_row` functions decode it (`q · d`, `(q - 8) · d` or `q · d + m`, each
+    /// product rounded before the minimum is added): an embedding lookup.
+    pub fn dequantize_row(&self, r: usize, out: &mut [f32]) {
+        let row = self.weight_row(r);
+        let stride = self.format.block_bytes();
+        for (b, y) in row.chunks_exact(stride).zip(out.chunks_exact_mut(BLOCK)) {
+            let d = f16_at(b, 0);
+            let (q, m) = match self.format {
+                WeightFormat::Q8_0 => (std::array::from_fn(|j| b[2 + j] as i8), None),
+                WeightFormat::Q4_0 => (nibbles(&b[2..], 8), None),
+                WeightFormat::Q4_1 => (nibbles(&b[4..], 0), Some(f16_at(b, 2))),
+            };
+            for (y, q) in y.iter_mut().zip(q) {
+                // The product is rounded before the minimum is added (and a zero keeps its
+                // sign where there is none to add).
+                *y = f32::from(q) * d;
+                if let Some(m) = m {
+                    *y += m;
+                }
+            }
+        }
+    }
+
+    /// Output features (rows of the weight).
+    pub fn rows(&self) -> usize {
+        self.rows
+    }
+
+    /// Input features (columns of the weight).
+    pub fn cols(&self) -> usize {
+        self.cols
+    }
+
+    /// Bytes the weight occupies (what one pass streams from memory).
+    pub fn gguf_bytes(&self) -> usize {
+        self.data.len()
+    }
+
+    /// `x` (`[m, cols]`, row-major) times the transposed weight: `[m, rows]`. Decode steps
+    /// and short prefills split the weight rows among the threads, so every weight block is
+    /// unpacked once per call and reused for all activation rows; long prefills split the
+    /// activation rows instead, so a task's rows stay in cache while the weights stream
+    /// past. Each output is computed by the same arithmetic either way, so the split never
+    /// changes a result.
+    pub fn matmul(&self, x: &[f32]) -> Buf {
+        let m = x.len() / self.cols;
+        if m <= WEIGHT_PARALLEL_MAX_ROWS {
+            self.matmat_by_weight_rows(x, m)
+        } else {
+            self.matmat_by_activation_rows(x, m)
+        }
+    }
+
+    fn row_bytes(&self) -> usize {
+        self.cols / BLOCK * self.format.block_bytes()
+    }
+
+    /// Prefetches weight rows `from..to` (clamped to `end`; none if empty).
+    fn prefetch_rows(&self, from: usize, to: usize, end: usize) {
+        let to = to.min(end);
+        if from >= to {
+            return;
+        }
+        let n = self.row_bytes();
+        prefetch(&self.data[from * n..to * n]);
+    }
+
+    /// The first rows of the groups of four weight rows in `from..to` (which hold whole
+    /// groups), each group's rows prefetched [`PREFETCH_QUADS`] groups before it is reached.
+    fn quads(&self, from: usize, to: usize) -> impl Iterator<Item = usize> + '_ {
+        let ahead = 4 * PREFETCH_QUADS;
+        self.prefetch_rows(from, from + ahead, to);
+        (from..to).step_by(4).inspect(move |&r| {
+            self.prefetch_rows(r + ahead, r + ahead + 4, to);
+        })
+    }
+
+    fn weight_row(&self, r: usize) -> &[u8] {
+        let n = self.row_bytes();
+        &self.data[r * n..(r + 1) * n]
+    }
+
+    /// The activation rows quantized as the weight format's dot product wants them.
+    fn quantize(&self, x: &[f32]) -> Vec<QuantizedRow> {
+        let with_sums = self.format == WeightFormat::Q4_1;
+        x.chunks_exact(self.cols)
+            .map(|row| quantize_row(row, with_sums))
+            .collect()
+    }
+
+    fn matmat_by_weight_rows(&self, x: &[f32], m: usize) -> Buf {
+        let dot = dot_kernel(cpu::detect(), self.format);
+        let acts = self.quantize(x);
+        let plan = Plan::new(self.format, &acts);
+        // Each task owns a range of weight rows: its piece of every output row.
+        let per_task = ROWS_PER_TASK.max(
+            self.rows
+                .div_ceil(rayon::current_num_threads() * TASKS_PER_THREAD)
+                .next_multiple_of(4),
+        );
+        let mut out = Buf::take(m * self.rows);
+        let tasks = self.rows.div_ceil(per_task);
+        // Task-major: task `t`'s piece of output row `i` at `t * m + i`.
+        let mut pieces: Vec<&mut [f32]> = std::iter::repeat_with(Default::default)
+            .take(tasks * m)
+            .collect();
+        for (i, row) in out.chunks_mut(self.rows).enumerate() {
+            for (t, piece) in row.chunks_mut(per_task).enumerate() {
+                pieces[t * m + i] = piece;
+            }
+        }
+        pieces.par_chunks_mut(m).enumerate().for_each_init(
+            || (Scratch::default(), vec![[0f32; 4]; m]),
+            |(scratch, tiles), (task, dst)| {
+                let first = task * per_task;
+                let n = dst[0].len();
+                let quads = n / 4 * 4;
+                for row in self.quads(first, first + quads) {
+                    let r = row - first;
+                    let w = [0, 1, 2, 3].map(|j| self.weight_row(row + j));
+                    plan.quad(self.format, scratch, w, tiles);
+                    for (d, v) in dst.iter_mut().zip(tiles.iter()) {
+                        d[r..r + 4].copy_from_slice(v);
+                    }
+                }
+                for r in quads..n {
+                    let w = self.weight_row(first + r);
+                    for (d, a) in dst.iter_mut().zip(&acts) {
+                        d[r] = dot(w, a);
+                    }
+                }
+            },
+        );
+        out
+    }
+
+    fn matmat_by_activation_rows(&self, x: &[f32], m: usize) -> Buf {
+        let dot = dot_kernel(cpu::detect(), self.format);
+        let mut out = Buf::take(m * self.rows);
+        let (fewest, most) = ACT_ROWS_PER_TASK;
+        let fit = (TASK_OUTPUT_BYTES / (self.rows * 4).max(1)).clamp(fewest, most) / 4 * 4;
+        let per_task = fit.min(m.div_ceil(rayon::current_num_threads()).max(1));
+        out.par_chunks_mut(per_task * self.rows)
+            .enumerate()
+            .for_each_init(Scratch::default, |scratch, (task, dst)| {
+                let first = task * per_task;
+                let rows = dst.len() / self.rows;
+                let acts = self.quantize(&x[first * self.cols..(first + rows) * self.cols]);
+                let plan = Plan::new(self.format, &acts);
+                let quads = self.rows / 4 * 4;
+                let mut tiles = vec![[0f32; 4]; rows];
+                for r in self.quads(0, quads) {
+                    let w = [0, 1, 2, 3].map(|j| self.weight_row(r + j));
+                    plan.quad(self.format, scratch, w, &mut tiles);
+                    for (i, v) in tiles.iter().enumerate() {
+                        let at = i * self.rows + r;
+                        dst[at..at + 4].copy_from_slice(v);
+                    }
+                }
+                for r in quads..self.rows {
+                    for (i, a) in acts.iter().enumerate() {
+                        dst[i * self.rows + r] = dot(self.weight_row(r), a);
+                    }
+                }
+            });
+        out
+    }
+}
+
+/// How a product's groups of four weight rows meet its activation rows.
+enum Plan<'a> {
+    /// One activation row: four dot products side by side.
+    Single(Dot4, &'a QuantizedRow),
+    /// A few activation rows: weight blocks unpacked in registers for each.
+    #[cfg(target_arch = "x86_64")]
+    Packed(PackedTile, &'a [QuantizedRow]),
+    /// The AVX-512 kernel (`avx512::wide`), the activation rows laid out for it.
+    #[cfg(target_arch = "x86_64")]
+    Wide(cpu::Avx512Vnni, avx512::wide::WideActs),
+    /// Weight blocks unpacked into a buffer once, then a tile over the rows.
+    Buffered(Tile, &'a [QuantizedRow]),
+}
+
+impl<'a> Plan<'a> {
+    /// The fastest way this CPU has for `acts` against weights of `format`.
+    fn new(format: WeightFormat, acts: &'a [QuantizedRow]) -> Self {
+        let features = cpu::detect();
+        #[cfg(target_arch = "x86_64")]
+        if let Some(cpu) = features.avx512_vnni() {
+            return if acts.len() < WIDE_MIN_ROWS {
+                Plan::Packed(avx512::packed_tile(cpu, format), acts)
+            } else {
+                Plan::Wide(cpu, avx512::wide::WideActs::new(cpu, format, acts))
+            };
+        }
+        match acts {
+            [one] => Plan::Single(dot4_kernel(features, format), one),
+            _ => Plan::Buffered(tile_kernel(features), acts),
+        }
+    }
+
+    /// `out[i]`: the four weight rows `w` against activation row `i`.
+    fn quad(
+        &self,
+        format: WeightFormat,
+        scratch: &mut Scratch,
+        w: [&[u8]; 4],
+        out: &mut [[f32; 4]],
+    ) {
+        match self {
+            Plan::Single(dot4, a) => out[0] = dot4(w, a),
+            #[cfg(target_arch = "x86_64")]
+            Plan::Packed(packed, acts) => packed(w, acts, out),
+            #[cfg(target_arch = "x86_64")]
+            Plan::Wide(cpu, acts) => {
+                scratch.wide.fill(*cpu, format, w);
+                avx512::wide::tile(*cpu, &mut scratch.wide, acts, &mut out[..acts.rows()]);
+            }
+            Plan::Buffered(tile, acts) => {
+                scratch.unpacked.fill(format, w);
+                tile(&scratch.unpacked, acts, out);
+            }
+        }
+    }
+}
+
+/// A task's buffers for unpacked weight rows, reused from one group of four to the next.
+#[derive(Debug, Default)]
+struct Scratch {
+    unpacked: Unpacked,
+    #[cfg(target_arch = "x86_64")]
+    wide: avx512::wide::WideQuad,
+}
+
+/// Four weight rows with their blocks unpacked to 32 bytes each, block-major, so a batch of
+/// activation rows can reuse them from L1 without unpacking nibbles again.
+#[derive(Debug, Default)]
+pub struct Unpacked {
+    /// `[block][row]` → 32 values (unsigned 0..16 for Q4_1, signed otherwise).
+    q: Vec<[i8; BLOCK]>,
+    /// `[block][row]` scales.
+    d: Vec<f32>,
+    /// `[block][row]` minimums (Q4_1) or zeros.
+    m: Vec<f32>,
+    signed: bool,
+}
+
+impl Unpacked {
+    /// Unpacks four weight rows into this buffer, reusing its memory.
+    fn fill(&mut self, format: WeightFormat, rows: [&[u8]; 4]) {
+        let stride = format.block_bytes();
+        let nb = rows[0].len() / stride;
+        self.signed = format != WeightFormat::Q4_1;
+        self.q.resize(nb * 4, [0; BLOCK]);
+        self.d.resize(nb * 4, 0.0);
+        self.m.resize(nb * 4, 0.0);
+        // Per block: four rows' values, scales and minimums side by side.
+        let blocks = self
+            .q
+            .chunks_exact_mut(4)
+            .zip(self.d.chunks_exact_mut(4))
+            .zip(self.m.chunks_exact_mut(4));
+        for (i, ((q, d), m)) in blocks.enumerate() {
+            let at = i * stride;
+            for r in 0..4 {
+                let b = &rows[r][at..at + stride];
+                d[r] = f16_at(b, 0);
+                match format {
+                    WeightFormat::Q4_1 => {
+                        m[r] = f16_at(b, 2);
+                        unpack_nibbles(&b[4..20], 0, &mut q[r]);
+                    }
+                    WeightFormat::Q4_0 => {
+                        m[r] = 0.0;
+                        unpack_nibbles(&b[2..18], 8, &mut q[r]);
+                    }
+                    WeightFormat::Q8_0 => {
+                        m[r] = 0.0;
+                        for (dst, &src) in q[r].iter_mut().zip(&b[2..34]) {
+                            *dst = src as i8;
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// The 32 values of a 4-bit block (16 bytes: low nibbles are values 0..16, high nibbles
+/// 16..32) minus `offset`, written into `dst`.
+#[inline(always)]
+fn unpack_nibbles(qs: &[u8], offset: i8, dst: &mut [i8; BLOCK]) {
+    #[cfg(target_arch = "x86_64")]
+    sse2::unpack_nibbles(qs, offset, dst);
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        *dst = nibbles(qs, offset);
+    }
+}
+
+/// Four unpacked weight rows against each of a run of activation rows (`out[i]` for
+/// `acts[i]`); the arithmetic of each output is exactly that of [`dot_kernel`] for its row.
+type Tile = fn(&Unpacked, &[QuantizedRow], &mut [[f32; 4]]);
+
+/// The buffered tile of the best tier `features` has.
+fn tile_kernel(features: cpu::Features) -> Tile {
+    #[cfg(target_arch = "x86_64")]
+    if let Some(cpu) = features.avx2() {
+        return avx2::tile(cpu);
+    }
+    let _ = features;
+    tile_portable
+}
+
+/// Four GGUF weight rows against a run of activation rows (`out[i]` for `acts[i]`),
+/// unpacking each weight block once in registers; exactly [`dot_kernel`]'s arithmetic.
+#[cfg(target_arch = "x86_64")]
+type PackedTile = fn([&[u8]; 4], &[QuantizedRow], &mut [[f32; 4]]);
+
+/// Four weight rows against one activation row: four independent accumulator chains, each
+/// with exactly the arithmetic of [`dot_kernel`].
+type Dot4 = fn([&[u8]; 4], &QuantizedRow) -> [f32; 4];
+
+/// A weight row against an activation row.
+type Dot = fn(&[u8], &QuantizedRow) -> f32;
+
+/// [`Dot4`] for `format` on the best tier `features` has.
+fn dot4_kernel(features: cpu::Features, format: WeightFormat) -> Dot4 {
+    #[cfg(target_arch = "x86_64")]
+    if let Some(cpu) = features.avx2() {
+        return avx2::dot4(cpu, format);
+    }
+    let _ = features;
+    match format {
+        WeightFormat::Q4_1 => |w, a| w.map(|w| dot_q4_1(w, a)),
+        WeightFormat::Q4_0 => |w, a| w.map(|w| dot_q4_0(w, a)),
+        WeightFormat::Q8_0 => |w, a| w.map(|w| dot_q8_0(w, a)),
+    }
+}
+
+/// The dot product for `format` on the best tier `features` has; every tier computes the
+/// same lanes in the same order, so results do not depend on the machine.
+fn dot_kernel(features: cpu::Features, format: WeightFormat) -> Dot {
+    #[cfg(target_arch = "x86_64")]
+    if let Some(cpu) = features.avx2() {
+        return avx2::dot(cpu, format);
+    }
+    let _ = features;
+    match format {
+        WeightFormat::Q4_1 => dot_q4_1,
+        WeightFormat::Q4_0 => dot_q4_0,
+        WeightFormat::Q8_0 => dot_q8_0,
+    }
+}
+
+/// An activation row quantized to 8 bits per block: ggml's `block_q8_0` / `block_q8_1`.
+#[derive(Debug, Clone)]
+pub struct QuantizedRow {
+    d: Vec<f32>,
+    s: Vec<f32>,
+    q: Vec<i8>,
+}
+
+/// Quantizes one row exactly as ggml's x86 `quantize_row_q8_0/1` does; `with_sums` also
+/// stores each block's `d * sum(q)` (Q8_1, used with Q4_1 weights).
+pub fn quantize_row(x: &[f32], with_sums: bool) -> QuantizedRow {
+    let nb = x.len() / BLOCK;
+    let mut row = QuantizedRow {
+        d: Vec::with_capacity(nb),
+        s: Vec::with_capacity(if with_sums { nb } else { 0 }),
+        q: vec![0; x.len()],
+    };
+    #[cfg(target_arch = "x86_64")]
+    let simd = cpu::detect().avx2();
+    for (block, q) in x.chunks_exact(BLOCK).zip(row.q.chunks_exact_mut(BLOCK)) {
+        #[cfg(target_arch = "x86_64")]
+        let (d, sum) = match simd {
+            Some(cpu) => avx2::quantize_block(cpu, block, q),
+            None => quantize_block(block, q),
+        };
+        #[cfg(not(target_arch = "x86_64"))]
+        let (d, sum) = quantize_block(block, q);
+        row.d.push(f16::from_f32(d).to_f32());
+        if with_sums {
+            row.s.push(f16::from_f32(d * sum as f32).to_f32());
+        }
+    }
+    row
+}

@@ -1,0 +1,315 @@
+//! Each tier of the quantized products against the portable arithmetic, and the
+//! portable arithmetic against ggml's.
+
+use super::*;
+
+fn encode_q4_1(rows: &[Vec<f32>]) -> Vec<u8> {
+    let mut out = Vec::new();
+    for row in rows {
+        for block in row.chunks_exact(BLOCK) {
+            let (lo, hi) = block
+                .iter()
+                .fold((f32::MAX, f32::MIN), |(a, b), &v| (a.min(v), b.max(v)));
+            let d = (hi - lo) / 15.0;
+            let id = if d != 0.0 { 1.0 / d } else { 0.0 };
+            out.extend(f16::from_f32(d).to_le_bytes());
+            out.extend(f16::from_f32(lo).to_le_bytes());
+            for j in 0..BLOCK / 2 {
+                let q0 = (((block[j] - lo) * id + 0.5) as u8).min(15);
+                let q1 = (((block[j + 16] - lo) * id + 0.5) as u8).min(15);
+                out.push(q0 | (q1 << 4));
+            }
+        }
+    }
+    out
+}
+
+#[test]
+fn q4_1_matmul_approximates_the_float_product_and_is_batch_invariant() {
+    let (rows, cols) = (24, 64);
+    let w: Vec<Vec<f32>> = (0..rows)
+        .map(|r| {
+            (0..cols)
+                .map(|c| ((r * 31 + c * 7) % 23) as f32 / 23.0 - 0.5)
+                .collect()
+        })
+        .collect();
+    let mat =
+        QuantMatrix::from_gguf(WeightFormat::Q4_1, rows, cols, &encode_q4_1(&w)).expect("sizes");
+    let x: Vec<f32> = (0..3 * cols)
+        .map(|i| ((i * 13) % 17) as f32 / 17.0 - 0.4)
+        .collect();
+    let out = mat.matmul(&x);
+    for i in 0..3 {
+        for r in 0..rows {
+            let exact: f32 = (0..cols).map(|c| w[r][c] * x[i * cols + c]).sum();
+            assert!(
+                (out[i * rows + r] - exact).abs() < 0.1,
+                "{} vs {exact}",
+                out[i * rows + r]
+            );
+        }
+    }
+    let alone = mat.matmul(&x[2 * cols..]);
+    assert_eq!(alone[..], out[2 * rows..]);
+}
+
+#[test]
+fn both_batch_splits_give_each_row_exactly_its_single_row_result() {
+    // 38 rows: quads, a partial task and rows outside any quad.
+    let (rows, cols) = (38, 96);
+    let w: Vec<Vec<f32>> = (0..rows)
+        .map(|r| {
+            (0..cols)
+                .map(|c| ((r * 17 + c * 5) % 29) as f32 / 29.0 - 0.5)
+                .collect()
+        })
+        .collect();
+    let mat =
+        QuantMatrix::from_gguf(WeightFormat::Q4_1, rows, cols, &encode_q4_1(&w)).expect("sizes");
+    // Batches on either side of WEIGHT_PARALLEL_MAX_ROWS.
+    for m in [
+        2,
+        7,
+        WEIGHT_PARALLEL_MAX_ROWS,
+        WEIGHT_PARALLEL_MAX_ROWS + 1,
+        70,
+    ] {
+        let x: Vec<f32> = (0..m * cols)
+            .map(|i| ((i * 11) % 19) as f32 / 19.0 - 0.45)
+            .collect();
+        let out = mat.matmul(&x);
+        for i in 0..m {
+            let alone = mat.matmul(&x[i * cols..(i + 1) * cols]);
+            assert_eq!(
+                alone[..],
+                out[i * rows..(i + 1) * rows],
+                "batch {m}, row {i}"
+            );
+        }
+    }
+}
+
+#[test]
+fn activation_quantization_rounds_ties_to_even_like_ggml() {
+    let mut x = vec![0f32; BLOCK];
+    x[0] = 127.0;
+    x[1] = 30.5;
+    x[2] = -2.5;
+    let q = quantize_row(&x, true);
+    assert_eq!(&q.q[..3], &[127, 30, -2]);
+    assert_eq!(q.d[0], 1.0);
+    assert_eq!(q.s[0], 155.0);
+}
+
+#[test]
+fn every_kernel_matches_the_portable_code_bit_for_bit() {
+    let nb = 6;
+    let bytes: Vec<u8> = (0..64 * nb).map(|i| (i * 131 % 251) as u8).collect();
+    // Scales must be finite f16 values: write them explicitly.
+    let block = |fmt: WeightFormat| {
+        let mut out = Vec::new();
+        for (i, chunk) in bytes.chunks(fmt.block_bytes()).take(nb).enumerate() {
+            let mut b = chunk.to_vec();
+            b[..2].copy_from_slice(&f16::from_f32(0.01 + i as f32 * 0.003).to_le_bytes());
+            if fmt == WeightFormat::Q4_1 {
+                b[2..4].copy_from_slice(&f16::from_f32(-0.05 * i as f32).to_le_bytes());
+            }
+            out.extend(b);
+        }
+        out
+    };
+    let x: Vec<f32> = (0..BLOCK * nb)
+        .map(|i| ((i * 37 % 101) as f32 - 50.0) * 0.013)
+        .collect();
+    for fmt in [WeightFormat::Q4_0, WeightFormat::Q4_1, WeightFormat::Q8_0] {
+        let w = block(fmt);
+        let a = quantize_row(&x, fmt == WeightFormat::Q4_1);
+        let portable = match fmt {
+            WeightFormat::Q4_1 => dot_q4_1(&w, &a),
+            WeightFormat::Q4_0 => dot_q4_0(&w, &a),
+            WeightFormat::Q8_0 => dot_q8_0(&w, &a),
+        };
+        let bits = |v: f32| v.to_bits();
+        let features = cpu::detect();
+        assert_eq!(
+            bits(dot_kernel(features, fmt)(&w, &a)),
+            bits(portable),
+            "{fmt:?} dot"
+        );
+        // Four different rows, so a mixed-up row order shows.
+        let rows: Vec<Vec<u8>> = (0..4)
+            .map(|r| {
+                let mut v = w.clone();
+                v.rotate_left(r * fmt.block_bytes());
+                v
+            })
+            .collect();
+        let quad = [&rows[0][..], &rows[1], &rows[2], &rows[3]];
+        let want: Vec<u32> = quad
+            .iter()
+            .map(|r| bits(dot_kernel(features, fmt)(r, &a)))
+            .collect();
+        let four = dot4_kernel(features, fmt)(quad, &a);
+        assert_eq!(four.map(bits).to_vec(), want, "{fmt:?} dot4");
+        assert_eq!(want[0], bits(portable), "{fmt:?} dot");
+        let mut u = Unpacked::default();
+        u.fill(fmt, [&w, &w, &w, &w]);
+        // Runs of 1, 4 and 6 activation rows (the wide kernels' groups and remainder).
+        for n in [1, 4, 6] {
+            let acts = vec![a.clone(); n];
+            #[cfg(target_arch = "x86_64")]
+            if let Some(cpu) = features.avx512_vnni() {
+                let packed = avx512::packed_tile(cpu, fmt);
+                let mut out = vec![[0f32; 4]; n];
+                packed(quad, &acts, &mut out);
+                for o in &out {
+                    assert_eq!(o.map(bits).to_vec(), want, "{fmt:?} packed tile of {n}");
+                }
+            }
+            let mut kernels: Vec<Tile> = vec![tile_kernel(features), tile_portable];
+            #[cfg(target_arch = "x86_64")]
+            kernels.extend(features.avx2().map(avx2::tile));
+            for kernel in kernels {
+                let mut out = vec![[0f32; 4]; n];
+                kernel(&u, &acts, &mut out);
+                assert!(
+                    out.iter().flatten().all(|&v| bits(v) == bits(portable)),
+                    "{fmt:?} tile of {n}"
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn vector_activation_quantization_matches_the_scalar_code() {
+    // Ties at every scale, zeros, a zero block, negatives and large magnitudes.
+    let mut x: Vec<f32> = (0..BLOCK * 8)
+        .map(|i| ((i * 7919 % 509) as f32 - 254.0) * 0.37)
+        .collect();
+    x[..BLOCK].fill(0.0);
+    x[BLOCK] = 127.0;
+    x[BLOCK + 1] = 30.5;
+    x[BLOCK + 2] = -2.5;
+    x[BLOCK + 3] = 0.5;
+    x[2 * BLOCK] = -1e30;
+    for (b, block) in x.chunks_exact(BLOCK).enumerate() {
+        let (mut scalar, mut wide) = ([0i8; BLOCK], [0i8; BLOCK]);
+        let want = quantize_block(block, &mut scalar);
+        #[cfg(target_arch = "x86_64")]
+        if let Some(cpu) = cpu::detect().avx2() {
+            let got = avx2::quantize_block(cpu, block, &mut wide);
+            assert_eq!(
+                (got.0.to_bits(), got.1),
+                (want.0.to_bits(), want.1),
+                "block {b}"
+            );
+            assert_eq!(wide, scalar, "block {b}");
+        }
+        let mut unpacked = [0i8; BLOCK];
+        let packed: Vec<u8> = (0..16).map(|j| (j * 37 + b) as u8).collect();
+        unpack_nibbles(&packed, 8, &mut unpacked);
+        assert_eq!(unpacked, nibbles(&packed, 8));
+        let _ = &mut wide;
+    }
+}
+
+#[test]
+fn mismatched_sizes_are_refused() {
+    assert!(QuantMatrix::from_gguf(WeightFormat::Q8_0, 2, 32, &[0u8; 10]).is_none());
+    assert!(QuantMatrix::from_gguf(WeightFormat::Q8_0, 2, 30, &[0u8; 68]).is_none());
+}
+
+#[test]
+fn a_stacked_matrix_gives_each_part_exactly_its_own_rows() {
+    // Parts of 9, 6 and 3 rows: quads straddle the parts' boundaries once stacked.
+    let part = |rows: usize, salt: usize| {
+        let w: Vec<Vec<f32>> = (0..rows)
+            .map(|r| {
+                (0..64)
+                    .map(|c| ((r * 13 + c * 3 + salt) % 31) as f32 / 31.0 - 0.5)
+                    .collect()
+            })
+            .collect();
+        QuantMatrix::from_gguf(WeightFormat::Q4_1, rows, 64, &encode_q4_1(&w)).expect("sizes")
+    };
+    let parts = [part(9, 1), part(6, 2), part(3, 3)];
+    let stacked = QuantMatrix::stack(&parts.iter().collect::<Vec<_>>()).expect("same format");
+    assert_eq!((stacked.rows(), stacked.cols()), (18, 64));
+    for m in [1, 5, 40] {
+        let x: Vec<f32> = (0..m * 64)
+            .map(|i| ((i * 11) % 19) as f32 / 19.0 - 0.5)
+            .collect();
+        let all = stacked.matmul(&x);
+        let mut offset = 0;
+        for p in &parts {
+            let alone = p.matmul(&x);
+            for i in 0..m {
+                let got = &all[i * 18 + offset..i * 18 + offset + p.rows()];
+                assert_eq!(got, &alone[i * p.rows()..(i + 1) * p.rows()], "{m} rows");
+            }
+            offset += p.rows();
+        }
+    }
+    let q8 = QuantMatrix::from_gguf(WeightFormat::Q8_0, 1, 64, &[0u8; 68]).expect("sizes");
+    assert!(QuantMatrix::stack(&[&parts[0], &q8]).is_none());
+    assert!(QuantMatrix::stack(&[]).is_none());
+}
+
+#[test]
+fn matrices_moved_into_huge_pages_give_the_same_results() {
+    let part = |rows: usize, cols: usize, salt: usize| {
+        let w: Vec<Vec<f32>> = (0..rows)
+            .map(|r| {
+                (0..cols)
+                    .map(|c| ((r * 7 + c * 5 + salt) % 37) as f32 / 37.0 - 0.5)
+                    .collect()
+            })
+            .collect();
+        QuantMatrix::from_gguf(WeightFormat::Q4_1, rows, cols, &encode_q4_1(&w)).expect("sizes")
+    };
+    let own = [part(12, 64, 1), part(5, 96, 2), part(8, 32, 3)];
+    let mut shared = own.clone();
+    QuantMatrix::share_huge_pages(&mut shared.iter_mut().collect::<Vec<_>>());
+    for (a, b) in own.iter().zip(&shared) {
+        assert!(matches!(b.data, Bytes::Shared(..)));
+        assert_eq!(a.gguf_bytes(), b.gguf_bytes());
+        for m in [1, 9, 40] {
+            let x: Vec<f32> = (0..m * a.cols())
+                .map(|i| ((i * 11) % 19) as f32 / 19.0 - 0.5)
+                .collect();
+            assert_eq!(a.matmul(&x), b.matmul(&x), "{m} rows");
+        }
+    }
+}
+
+#[test]
+fn rows_decode_as_candle_dequantizes_them() {
+    use candle_core::quantized::{GgmlDType, QTensor};
+    use candle_core::{Device, Tensor};
+    let (rows, cols) = (6, 96);
+    let values: Vec<f32> = (0..rows * cols)
+        .map(|i| ((i * 37) % 101) as f32 / 25.0 - 2.0 + (i % 7) as f32 * 1e-3)
+        .collect();
+    let t = Tensor::from_vec(values, (rows, cols), &Device::Cpu).expect("tensor");
+    for (dtype, format) in [
+        (GgmlDType::Q4_0, WeightFormat::Q4_0),
+        (GgmlDType::Q4_1, WeightFormat::Q4_1),
+        (GgmlDType::Q8_0, WeightFormat::Q8_0),
+    ] {
+        let q = QTensor::quantize(&t, dtype).expect("quantizes");
+        let want = q
+            .dequantize(&Device::Cpu)
+            .and_then(|d| d.to_vec2::<f32>())
+            .expect("dequantizes");
+        let data = q.data().expect("bytes");
+        let m = QuantMatrix::from_gguf(format, rows, cols, &data).expect("sizes");
+        for (r, want) in want.iter().enumerate() {
+            let mut got = vec![0f32; cols];
+            m.dequantize_row(r, &mut got);
+            let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+            assert_eq!(bits(&got), bits(want), "{format:?} row {r}");
+        }
+    }
+}

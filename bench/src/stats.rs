@@ -4,14 +4,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::client::Sample;
 
-/// The `p`-quantile (0..=1) of sorted values by the nearest-rank method; 0 when empty.
-pub fn percentile(sorted: &[f64], p: f64) -> f64 {
-    if sorted.is_empty() {
-        return 0.0;
-    }
-    let rank = (p * sorted.len() as f64).ceil() as usize;
-    sorted[rank.clamp(1, sorted.len()) - 1]
-}
+pub use ferrite_util::percentile;
 
 fn sorted(values: impl Iterator<Item = f64>) -> Vec<f64> {
     let mut v: Vec<f64> = values.collect();
@@ -74,16 +67,6 @@ impl Summary {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn nearest_rank_percentiles() {
-        let v: Vec<f64> = (1..=10).map(f64::from).collect();
-        assert_eq!(percentile(&v, 0.5), 5.0);
-        assert_eq!(percentile(&v, 0.9), 9.0);
-        assert_eq!(percentile(&v, 0.99), 10.0);
-        assert_eq!(percentile(&v, 0.0), 1.0);
-        assert_eq!(percentile(&[], 0.5), 0.0);
-    }
 
     #[test]
     fn summary_counts_tokens_over_wall_time() {

@@ -5,7 +5,7 @@ use std::collections::HashMap;
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
-use crate::error::{Error, Result};
+use crate::error::RequestError;
 
 /// How to pick each next token and when to stop; field names and ranges follow vLLM.
 #[derive(Debug, Clone, PartialEq)]
@@ -46,31 +46,38 @@ pub struct SamplingParams {
     pub logit_bias: Vec<(u32, f32)>,
 }
 
+impl SamplingParams {
+    /// The defaults every entry point starts from (OpenAI's and vLLM's): temperature 1, no
+    /// truncation or penalties, 16 tokens.
+    pub const DEFAULT: SamplingParams = SamplingParams {
+        temperature: 1.0,
+        top_p: 1.0,
+        top_k: 0,
+        min_p: 0.0,
+        presence_penalty: 0.0,
+        frequency_penalty: 0.0,
+        repetition_penalty: 1.0,
+        seed: None,
+        max_tokens: 16,
+        min_tokens: 0,
+        stop: Vec::new(),
+        stop_token_ids: Vec::new(),
+        ignore_eos: false,
+        logprobs: None,
+        prompt_logprobs: None,
+        logit_bias: Vec::new(),
+    };
+}
+
 impl Default for SamplingParams {
     fn default() -> Self {
-        SamplingParams {
-            temperature: 1.0,
-            top_p: 1.0,
-            top_k: 0,
-            min_p: 0.0,
-            presence_penalty: 0.0,
-            frequency_penalty: 0.0,
-            repetition_penalty: 1.0,
-            seed: None,
-            max_tokens: 16,
-            min_tokens: 0,
-            stop: Vec::new(),
-            stop_token_ids: Vec::new(),
-            ignore_eos: false,
-            logprobs: None,
-            prompt_logprobs: None,
-            logit_bias: Vec::new(),
-        }
+        Self::DEFAULT
     }
 }
 
 /// Most alternatives a request may ask for per token (OpenAI allows 20).
 pub const MAX_LOGPROBS: usize = 20;
+const _: () = assert!(MAX_LOGPROBS == 20, "the range `validate` names");
 
 impl SamplingParams {
     /// Greedy decoding of up to `max_tokens` tokens.
@@ -83,18 +90,8 @@ impl SamplingParams {
     }
 
     /// Checks every field against its allowed range; the error names the field.
-    pub fn validate(&self) -> Result<()> {
-        let fail = |m: String| Err(Error::InvalidParameter(m));
-        let finite = |name: &str, v: f32| -> Result<()> {
-            if v.is_finite() {
-                Ok(())
-            } else {
-                Err(Error::InvalidParameter(format!(
-                    "`{name}` must be a finite number, got {v}"
-                )))
-            }
-        };
-        for (name, v) in [
+    pub fn validate(&self) -> Result<(), RequestError> {
+        for (param, got) in [
             ("temperature", self.temperature),
             ("top_p", self.top_p),
             ("min_p", self.min_p),
@@ -102,65 +99,71 @@ impl SamplingParams {
             ("frequency_penalty", self.frequency_penalty),
             ("repetition_penalty", self.repetition_penalty),
         ] {
-            finite(name, v)?;
+            if !got.is_finite() {
+                return Err(RequestError::NotFinite { param, got });
+            }
         }
-        if !(0.0..=2.0).contains(&self.temperature) {
-            return fail(format!(
-                "`temperature` must be in [0, 2], got {}",
-                self.temperature
-            ));
+        let range = |param, range, ok: bool, got: f32| match ok {
+            true => Ok(()),
+            false => Err(RequestError::OutOfRange {
+                param,
+                range,
+                got: got.to_string(),
+            }),
+        };
+        let t = self.temperature;
+        range("temperature", "[0, 2]", (0.0..=2.0).contains(&t), t)?;
+        range(
+            "top_p",
+            "(0, 1]",
+            self.top_p > 0.0 && self.top_p <= 1.0,
+            self.top_p,
+        )?;
+        range(
+            "min_p",
+            "[0, 1]",
+            (0.0..=1.0).contains(&self.min_p),
+            self.min_p,
+        )?;
+        for (param, v) in [
+            ("presence_penalty", self.presence_penalty),
+            ("frequency_penalty", self.frequency_penalty),
+        ] {
+            range(param, "[-2, 2]", (-2.0..=2.0).contains(&v), v)?;
         }
-        if !(self.top_p > 0.0 && self.top_p <= 1.0) {
-            return fail(format!("`top_p` must be in (0, 1], got {}", self.top_p));
-        }
-        if !(0.0..=1.0).contains(&self.min_p) {
-            return fail(format!("`min_p` must be in [0, 1], got {}", self.min_p));
-        }
-        if !(-2.0..=2.0).contains(&self.presence_penalty) {
-            return fail(format!(
-                "`presence_penalty` must be in [-2, 2], got {}",
-                self.presence_penalty
-            ));
-        }
-        if !(-2.0..=2.0).contains(&self.frequency_penalty) {
-            return fail(format!(
-                "`frequency_penalty` must be in [-2, 2], got {}",
-                self.frequency_penalty
-            ));
-        }
-        if !(self.repetition_penalty > 0.0 && self.repetition_penalty <= 2.0) {
-            return fail(format!(
-                "`repetition_penalty` must be in (0, 2], got {}",
-                self.repetition_penalty
-            ));
-        }
+        let r = self.repetition_penalty;
+        range("repetition_penalty", "(0, 2]", r > 0.0 && r <= 2.0, r)?;
         if self.max_tokens == 0 {
-            return fail("`max_tokens` must be at least 1, got 0".into());
+            return Err(RequestError::Zero {
+                param: "max_tokens",
+            });
         }
         if self.min_tokens > self.max_tokens {
-            return fail(format!(
-                "`min_tokens` ({}) must not exceed `max_tokens` ({})",
-                self.min_tokens, self.max_tokens
-            ));
+            return Err(RequestError::MinAboveMax {
+                min: self.min_tokens,
+                max: self.max_tokens,
+            });
         }
-        if let Some(&(id, b)) = self
+        if let Some(&(token, bias)) = self
             .logit_bias
             .iter()
             .find(|(_, b)| !(-100.0..=100.0).contains(b))
         {
-            return fail(format!(
-                "`logit_bias` values must be in [-100, 100], got {b} for token {id}"
-            ));
+            return Err(RequestError::BiasOutOfRange { token, bias });
         }
         if self.stop.iter().any(String::is_empty) {
-            return fail("`stop` strings must not be empty".into());
+            return Err(RequestError::EmptyStop);
         }
-        for (name, n) in [
+        for (param, n) in [
             ("logprobs", self.logprobs),
             ("prompt_logprobs", self.prompt_logprobs),
         ] {
             if let Some(n) = n.filter(|&n| n > MAX_LOGPROBS) {
-                return fail(format!("`{name}` must be in [0, {MAX_LOGPROBS}], got {n}"));
+                return Err(RequestError::OutOfRange {
+                    param,
+                    range: "[0, 20]",
+                    got: n.to_string(),
+                });
             }
         }
         Ok(())

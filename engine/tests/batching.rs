@@ -7,10 +7,12 @@ mod common;
 use std::time::{Duration, Instant};
 
 use candle_core::Device;
-use ferrite_engine::engine::{EngineConfig, EngineHandle, Event, RequestStream};
-use ferrite_engine::generate::generate;
+use ferrite_engine::engine::{
+    EngineConfig, EngineHandle, Event, RequestStream, StepObserver, StepView,
+};
 use ferrite_engine::model::llama::log_softmax;
 use ferrite_engine::model::{load, LoadedModel};
+use ferrite_engine::reference::generate;
 use ferrite_engine::sampling::SamplingParams;
 use ferrite_engine::sequence::TokenOutput;
 
@@ -75,8 +77,8 @@ fn batched(engine: &EngineHandle, prompts: &[Vec<u32>], max_tokens: usize) -> Ve
 
 /// A completion's token ids.
 fn ids(stream: RequestStream) -> Vec<u32> {
-    let (tokens, ..) = stream.collect_blocking().expect("completes");
-    tokens.iter().map(|t| t.id).collect()
+    let done = stream.collect_blocking().expect("completes");
+    done.tokens.iter().map(|t| t.id).collect()
 }
 
 /// Waits for the engine to go idle and checks that it preempted on the way there.
@@ -176,7 +178,7 @@ fn a_shared_prefix_is_computed_once_and_changes_nothing() {
         ignore_eos: true,
         ..SamplingParams::greedy(8)
     };
-    let (tokens, _, finish) = engine
+    let ferrite_engine::engine::Collected { tokens, finish, .. } = engine
         .submit(second.clone(), params)
         .expect("accepted")
         .collect_blocking()
@@ -337,22 +339,45 @@ fn max_tokens_beyond_max_model_len_is_refused_with_both_numbers() {
     );
 }
 
+/// Records the cache slots held and filled after every step.
+struct SlotLog(std::sync::Arc<std::sync::Mutex<Vec<(usize, usize)>>>);
+
+impl StepObserver for SlotLog {
+    fn after_step(&mut self, view: &StepView<'_>) {
+        if let Ok(mut log) = self.0.lock() {
+            log.push((view.allocated_slots(), view.filled_slots()));
+        }
+    }
+}
+
 #[test]
-fn kv_waste_is_measured_over_the_whole_peak_not_just_its_first_step() {
+fn an_observer_sees_the_blocks_held_and_filled_after_every_step() {
     let m = model();
     let prompt = prompts(&m, 1).remove(0);
     assert_eq!(prompt.len(), 3);
-    let engine = start(small(64, EngineConfig::default()));
+    let log = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+    let engine = EngineHandle::start_observed(
+        m,
+        small(64, EngineConfig::default()),
+        Some(Box::new(SlotLog(std::sync::Arc::clone(&log)))),
+    )
+    .expect("starts");
     // 3 prompt tokens + 29 fed-back outputs = 32 cached positions: exactly two blocks.
     batched(&engine, &[prompt], 30);
     wait_idle(&engine);
-    let st = engine.stats();
-    assert_eq!(st.peak_allocated_slots, 32, "{st:?}");
-    assert!(st.steps_at_peak > 1, "{st:?}");
-    let mean = st.filled_over_peak_steps as f64 / st.steps_at_peak as f64;
+    let log = log.lock().expect("log").clone();
+    // One step for the prompt, one per further token (the last token is never cached).
+    assert_eq!(log.len(), 30, "{log:?}");
+    let peak = log.iter().map(|&(held, _)| held).max();
+    assert_eq!(peak, Some(32), "{log:?}");
+    let at_peak: Vec<usize> = log
+        .iter()
+        .filter(|&&(held, _)| held == 32)
+        .map(|&(_, filled)| filled)
+        .collect();
     assert!(
-        (st.filled_at_peak as f64) < mean && mean <= 32.0,
-        "the second block fills up while it is held: {st:?}"
+        at_peak.len() > 1 && at_peak.windows(2).all(|w| w[0] < w[1]) && at_peak[0] < 32,
+        "the second block fills up while it is held: {log:?}"
     );
 }
 
@@ -394,7 +419,7 @@ fn a_scored_prompt_gets_one_forward_pass_scores_chunked_batched_or_after_a_cache
     let got = engine
         .submit(prompt.clone(), scored.clone())
         .expect("accepted")
-        .collect_scored_blocking()
+        .collect_blocking()
         .expect("completes");
     assert_eq!(as_scores(&got.prompt.expect("scores sent")), want);
     assert_eq!(got.finish.cached_tokens, 0);
@@ -414,7 +439,7 @@ fn a_scored_prompt_gets_one_forward_pass_scores_chunked_batched_or_after_a_cache
     let want_others: Vec<Vec<u32>> = others.iter().map(|p| alone(&m, p, 6)).collect();
     let stream = engine.submit(prompt, scored).expect("accepted");
     assert_eq!(batched(&engine, &others, 6), want_others);
-    let got = stream.collect_scored_blocking().expect("completes");
+    let got = stream.collect_blocking().expect("completes");
     assert_eq!(as_scores(&got.prompt.expect("scores sent")), want);
     wait_idle(&engine);
 }
@@ -452,7 +477,7 @@ fn a_scored_prompt_keeps_its_scores_through_preemptions() {
     let got = engine.submit(prompt, scored).expect("accepted");
     let tokens: Vec<Vec<u32>> = streams.into_iter().map(ids).collect();
     assert_eq!(tokens, want_others);
-    let got = got.collect_scored_blocking().expect("completes");
+    let got = got.collect_blocking().expect("completes");
     assert_eq!(as_scores(&got.prompt.expect("scores sent")), want);
     assert_idle_after_preempting(&engine);
 }
@@ -468,7 +493,7 @@ fn a_one_token_prompt_has_nothing_to_score_and_other_requests_get_no_scores() {
         engine
             .submit(prompt, params)
             .expect("accepted")
-            .collect_scored_blocking()
+            .collect_blocking()
             .expect("completes")
     };
     assert_eq!(collect(vec![42], scored).prompt, Some(Vec::new()));

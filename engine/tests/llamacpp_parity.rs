@@ -4,8 +4,8 @@
 mod common;
 
 use candle_core::Device;
-use ferrite_engine::generate::generate;
 use ferrite_engine::model::{load, LoadedModel};
+use ferrite_engine::reference::generate;
 use ferrite_engine::sampling::SamplingParams;
 use ferrite_engine::tokenizer::ChatMessage;
 use serde::Deserialize;

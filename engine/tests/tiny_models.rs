@@ -6,7 +6,8 @@ mod common;
 use candle_core::{DType, Device};
 use common::{reference_logits, write_tiny_gguf, write_tiny_hf, TinySpec};
 use ferrite_engine::kv::cache::SingleSequence;
-use ferrite_engine::model::llama::{KvDtype, Llama};
+use ferrite_engine::kv::KvDtype;
+use ferrite_engine::model::llama::Llama;
 use ferrite_engine::model::load_model;
 
 const IDS: [u32; 9] = [3, 17, 42, 99, 0, 8, 8, 57, 23];

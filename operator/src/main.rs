@@ -26,18 +26,7 @@ async fn main() {
         }
     };
     let shutdown = async {
-        let term = async {
-            match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
-                Ok(mut s) => {
-                    s.recv().await;
-                }
-                Err(_) => std::future::pending::<()>().await,
-            }
-        };
-        tokio::select! {
-            _ = tokio::signal::ctrl_c() => {}
-            _ = term => {}
-        }
+        ferrite_util::shutdown_signal().await;
         tracing::info!("shutting down");
     };
     if let Err(e) = run(client, opts, shutdown).await {

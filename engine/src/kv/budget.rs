@@ -2,7 +2,7 @@
 //! weights and the activations of the largest step, divided into blocks. On CPU the
 //! device's memory is the container's cgroup limit, else the machine's.
 
-use crate::error::{Error, Result};
+use crate::error::{ConfigError, Result};
 use crate::model::ModelConfig;
 
 /// Bytes of memory this process may use: the cgroup limit when one is set, else the
@@ -82,10 +82,12 @@ pub struct CacheRequest {
 /// Sizes the cache and refuses one that cannot hold a single `max_model_len` sequence.
 pub fn plan(req: &CacheRequest, device_memory: u64) -> Result<CachePlan> {
     if !(req.utilization > 0.0 && req.utilization <= 1.0) {
-        return Err(Error::InvalidParameter(format!(
-            "--gpu-memory-utilization must be in (0, 1], got {}",
-            req.utilization
-        )));
+        return Err(ConfigError::OutOfRange {
+            setting: "gpu_memory_utilization",
+            range: "in (0, 1]".into(),
+            got: req.utilization.to_string(),
+        }
+        .into());
     }
     let (kv_bytes, explanation) = match req.kv_cache_memory {
         Some(b) => (b, format!("--kv-cache-memory {b}")),
@@ -109,12 +111,14 @@ pub fn plan(req: &CacheRequest, device_memory: u64) -> Result<CachePlan> {
     let num_blocks = (kv_bytes / block_bytes.max(1)) as usize;
     let capacity = num_blocks * req.block_size;
     if capacity < req.max_model_len {
-        return Err(Error::InvalidParameter(format!(
-            "the KV cache holds {capacity} tokens ({num_blocks} blocks of {}; {explanation}) but \
-             --max-model-len is {}: lower --max-model-len, or raise --gpu-memory-utilization or \
-             --kv-cache-memory",
-            req.block_size, req.max_model_len
-        )));
+        return Err(ConfigError::CacheTooSmall {
+            capacity,
+            blocks: num_blocks,
+            block_size: req.block_size,
+            explanation,
+            max_model_len: req.max_model_len,
+        }
+        .into());
     }
     Ok(CachePlan {
         num_blocks,

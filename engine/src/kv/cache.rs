@@ -11,7 +11,8 @@ use ferrite_kernels::attention::{
 };
 use ferrite_kernels::buffers::Buf;
 
-use crate::model::llama::{Batch, KvCache, KvDtype, Llama, Logits, SeqSlice};
+use super::{KvDtype, KvElementType};
+use crate::model::llama::{Batch, KvCache, Llama, Logits, SeqSlice};
 
 /// A paged cache whose block tables are set for each step; `SeqSlice::cache_slot` indexes
 /// the tables.
@@ -20,15 +21,10 @@ pub trait PagedCache: KvCache + Send {
     fn set_tables(&mut self, tables: Vec<Vec<BlockId>>);
 }
 
-/// Paged storage for `model` in the element type `dtype` resolves to.
-pub fn new_paged(model: &Llama, dtype: KvDtype, block_size: usize) -> Box<dyn PagedCache> {
+/// Paged storage for `model` in elements of `element`.
+pub fn new_paged(model: &Llama, element: KvElementType, block_size: usize) -> Box<dyn PagedCache> {
     let c = model.config();
-    let f16 = match dtype {
-        KvDtype::F16 => true,
-        KvDtype::F32 => false,
-        KvDtype::Auto => model.kv_prefers_f16(),
-    };
-    if f16 {
+    if element == KvElementType::F16 {
         Box::new(PagedKv::<half::f16>::new(
             block_size,
             c.num_layers,
@@ -60,7 +56,7 @@ impl SingleSequence {
     pub fn new(model: &Llama, dtype: KvDtype) -> Self {
         const BLOCK: usize = 16;
         SingleSequence {
-            cache: new_paged(model, dtype, BLOCK),
+            cache: new_paged(model, dtype.resolve(model), BLOCK),
             block_size: BLOCK,
             blocks: 0,
             len: 0,
@@ -110,7 +106,7 @@ impl KvCache for SingleSequence {
         v: &[f32],
     ) -> Result<Buf> {
         let [seq] = batch.seqs else {
-            return Err(Error::InvalidParameter(format!(
+            return Err(Error::internal(format!(
                 "a single-sequence cache takes batches of one sequence, got {}",
                 batch.seqs.len()
             )));
@@ -189,10 +185,10 @@ impl<T: KvElement> PagedKv<T> {
         let table = self
             .tables
             .get(seq.cache_slot)
-            .ok_or_else(|| Error::InvalidParameter(format!("no block table {}", seq.cache_slot)))?;
+            .ok_or_else(|| Error::internal(format!("no block table {}", seq.cache_slot)))?;
         let last = positions.iter().max().copied().unwrap_or(0);
         if table.len() * bs <= last {
-            return Err(Error::InvalidParameter(format!(
+            return Err(Error::internal(format!(
                 "position {last} is beyond the {} blocks of sequence slot {}",
                 table.len(),
                 seq.cache_slot
@@ -231,7 +227,7 @@ impl<T: KvElement> KvCache for PagedKv<T> {
         let len = batch.tokens.len();
         let heads = q.len() / (len * head_dim).max(1);
         if q.len() != len * heads * head_dim || k.len() != len * width || v.len() != k.len() {
-            return Err(Error::InvalidParameter(format!(
+            return Err(Error::internal(format!(
                 "attention of {len} tokens needs whole heads of {head_dim} queries and \
                  {width} keys and values per token, got {}, {} and {} values",
                 q.len(),

@@ -17,7 +17,7 @@ use ferrite_kernels::rows_per_task;
 
 use super::config::{Architecture, ModelConfig, RopeStyle};
 use super::weights::{Matmul, WeightName, WeightSource};
-use crate::error::{Error, Result};
+use crate::error::{Error, RequestError, Result};
 
 /// One sequence's share of a flattened batch.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -575,7 +575,7 @@ impl Llama {
         x: &mut [f32],
     ) -> Result<()> {
         let blocks = self.blocks.get(layers.clone()).ok_or_else(|| {
-            Error::InvalidParameter(format!(
+            Error::internal(format!(
                 "layers {layers:?} of a model with {} layers",
                 self.blocks.len()
             ))
@@ -687,32 +687,30 @@ fn sums_of_squares(group: &[f32], h: usize) -> [f64; SUM_ROWS] {
 fn check_batch(batch: &Batch<'_>, max_pos: usize, vocab: usize) -> Result<()> {
     let n = batch.tokens.len();
     if n == 0 || batch.positions.len() != n {
-        return Err(Error::InvalidParameter(format!(
+        return Err(Error::internal(format!(
             "a batch needs one position per token and at least one token, got {n} tokens and {} positions",
             batch.positions.len()
         )));
     }
     if let Some(&t) = batch.tokens.iter().find(|&&t| t as usize >= vocab) {
-        return Err(Error::InvalidParameter(format!(
-            "token id {t} is out of range: the vocabulary has {vocab} tokens"
-        )));
+        return Err(RequestError::PromptToken { id: t, vocab }.into());
     }
     if let Some(&p) = batch.positions.iter().find(|&&p| p >= max_pos) {
-        return Err(Error::InvalidParameter(format!(
+        return Err(Error::internal(format!(
             "position {p} is beyond the model's context length of {max_pos} tokens"
         )));
     }
     let mut next = 0;
     for s in batch.seqs {
         if s.start != next || s.len == 0 {
-            return Err(Error::InvalidParameter(
-                "batch sequences must be non-empty and cover the tokens in order".into(),
+            return Err(Error::internal(
+                "batch sequences must be non-empty and cover the tokens in order",
             ));
         }
         next = s.start + s.len;
     }
     if next != n {
-        return Err(Error::InvalidParameter(format!(
+        return Err(Error::internal(format!(
             "batch sequences cover {next} of {n} tokens"
         )));
     }
@@ -735,18 +733,6 @@ fn rope_tables(c: &ModelConfig) -> Vec<Vec<(f32, f32)>> {
                 .collect()
         })
         .collect()
-}
-
-/// Element type of the KV cache; `Auto` follows the checkpoint like vLLM's `auto`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub enum KvDtype {
-    /// f32 for f32 checkpoints, f16 for everything else (llama.cpp's default for GGUF).
-    #[default]
-    Auto,
-    /// Half precision: half the memory, llama.cpp's numerics.
-    F16,
-    /// Single precision.
-    F32,
 }
 
 /// A tensor's values as f32, row-major.

@@ -8,7 +8,7 @@ use axum::response::{IntoResponse, Response};
 use axum::Json;
 use serde_json::json;
 
-use crate::error::Error;
+use crate::error::{Error, RequestError};
 
 /// An error answered to an API client.
 #[derive(Debug, Clone, PartialEq)]
@@ -130,31 +130,34 @@ impl ApiError {
     }
 }
 
+impl From<RequestError> for ApiError {
+    fn from(e: RequestError) -> Self {
+        ApiError::bad_request(e.to_string(), e.param())
+    }
+}
+
+/// Every engine error's HTTP status, in one place: a client's mistake is a 4xx naming what
+/// to change, a full queue a 503 to retry, and anything else the server's own fault.
 impl From<Error> for ApiError {
     fn from(e: Error) -> Self {
         match e {
-            Error::InvalidParameter(m) => {
-                // Messages name their parameter first, in backticks: report it as `param`.
-                let param = m
-                    .split('`')
-                    .nth(1)
-                    .filter(|p| !p.contains(' '))
-                    .map(str::to_string);
-                ApiError {
-                    status: StatusCode::BAD_REQUEST,
-                    message: m,
-                    param,
-                }
-            }
+            Error::Request(r) => r.into(),
             Error::ChatTemplate(m) => ApiError::bad_request(m, Some("messages")),
+            Error::Tokenizer(m) => ApiError::bad_request(m, None),
             Error::QueueFull { limit } => ApiError::unavailable(format!(
                 "the waiting queue is full ({limit} requests, --max-waiting-requests {limit}); \
                  retry later"
             )),
-            Error::Tokenizer(m) => ApiError::bad_request(m, None),
-            other => ApiError {
+            e @ (Error::EngineStopped
+            | Error::Config(_)
+            | Error::Model { .. }
+            | Error::Server(_)
+            | Error::Download(_)
+            | Error::Io(_)
+            | Error::Tensor(_)
+            | Error::Internal(_)) => ApiError {
                 status: StatusCode::INTERNAL_SERVER_ERROR,
-                message: other.to_string(),
+                message: e.to_string(),
                 param: None,
             },
         }

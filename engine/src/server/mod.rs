@@ -271,28 +271,6 @@ async fn detokenize(
     ))
 }
 
-/// Resolves on SIGTERM or Ctrl-C.
-pub async fn shutdown_signal() {
-    let ctrl_c = async {
-        let _ = tokio::signal::ctrl_c().await;
-    };
-    #[cfg(unix)]
-    let term = async {
-        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
-            Ok(mut s) => {
-                s.recv().await;
-            }
-            Err(_) => std::future::pending::<()>().await,
-        }
-    };
-    #[cfg(not(unix))]
-    let term = std::future::pending::<()>();
-    tokio::select! {
-        () = ctrl_c => {},
-        () = term => {},
-    }
-}
-
 /// Serves `state` on `listener` until `shutdown` resolves; then refuses new requests and
 /// waits for in-flight ones up to the configured timeout.
 pub async fn run(
@@ -581,12 +559,25 @@ mod tests {
 
     #[test]
     fn validation_errors_name_their_parameter() {
-        let e = ApiError::from(crate::Error::InvalidParameter(
-            "`top_p` must be in (0, 1], got 1.5".into(),
-        ));
+        let e = ApiError::from(crate::Error::from(crate::error::RequestError::OutOfRange {
+            param: "top_p",
+            range: "(0, 1]",
+            got: "1.5".into(),
+        }));
         assert_eq!(
             (e.status, e.param.as_deref()),
             (StatusCode::BAD_REQUEST, Some("top_p"))
         );
+    }
+
+    #[test]
+    fn server_faults_are_never_the_clients_400() {
+        for e in [
+            crate::Error::internal("a batch that does not add up"),
+            crate::Error::Io(std::io::Error::other("disk")),
+            crate::Error::EngineStopped,
+        ] {
+            assert_eq!(ApiError::from(e).status, StatusCode::INTERNAL_SERVER_ERROR);
+        }
     }
 }

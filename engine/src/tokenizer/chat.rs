@@ -3,7 +3,7 @@
 use minijinja::{context, Environment, ErrorKind};
 use serde::{Deserialize, Serialize};
 
-use crate::error::{Error, Result};
+use crate::error::{Error, RequestError, Result};
 
 /// One turn of a conversation.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -69,9 +69,7 @@ impl ChatTemplate {
     /// reply begins.
     pub fn render(&self, messages: &[ChatMessage], add_generation_prompt: bool) -> Result<String> {
         if messages.is_empty() {
-            return Err(Error::InvalidParameter(
-                "`messages` must contain at least one message".into(),
-            ));
+            return Err(RequestError::NoMessages.into());
         }
         let tmpl = self.env.get_template("chat").map_err(template_error)?;
         tmpl.render(context! {

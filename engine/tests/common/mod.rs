@@ -29,7 +29,7 @@ pub fn prefill_logits(
     ids: &[u32],
 ) -> ferrite_engine::Result<Vec<Vec<f32>>> {
     use ferrite_engine::kv::cache::SingleSequence;
-    use ferrite_engine::model::llama::KvDtype;
+    use ferrite_engine::kv::KvDtype;
     let mut cache = SingleSequence::new(model, KvDtype::Auto);
     Ok(cache.forward_all(model, ids)?.to_vec2())
 }

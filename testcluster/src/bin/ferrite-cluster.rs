@@ -31,11 +31,7 @@ async fn run() -> Result<(), Box<dyn std::error::Error>> {
     println!("try:        kubectl --kubeconfig {kc} get nodes,llms -A");
     println!("logs:       {}/*.log", cluster.data_dir().display());
     println!("Ctrl-C stops the cluster and deletes its data.");
-    let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
-    tokio::select! {
-        r = tokio::signal::ctrl_c() => r?,
-        _ = term.recv() => {}
-    }
+    ferrite_util::shutdown_signal().await;
     eprintln!("stopping...");
     drop(cluster);
     Ok(())

@@ -4,8 +4,6 @@
 //! these two endpoints) must recommend scaling up and say why; once the load stops it must
 //! hold the replica count for the stabilization window and only then recommend scaling down.
 
-mod common;
-
 use std::process::{Child, Command, Stdio};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -37,9 +35,9 @@ fn free_port() -> u16 {
 
 fn start_engine() -> Engine {
     let port = free_port();
-    let child = Command::new(env!("CARGO_BIN_EXE_ferrite-engine"))
+    let child = Command::new(ferrite_e2e::engine_bin())
         .args(["serve", "--model"])
-        .arg(common::default_model())
+        .arg(ferrite_e2e::default_model())
         .args(["--served-model-name", "smollm2", "--host", "127.0.0.1"])
         .args(["--port", &port.to_string()])
         // Two sequences at a time, so a dozen clients make a queue.

@@ -1,10 +1,12 @@
-//! Single-request generation: prefill the prompt, then decode token by token.
+//! The unbatched reference: one request alone, its prompt prefilled and then decoded token
+//! by token through a one-sequence cache, with no scheduler in the way. The batching tests
+//! hold the engine to it as their oracle, and the benchmark's single-stream figure uses it.
 
 use std::time::Instant;
 
-use crate::error::{Error, Result};
+use crate::error::{Error, RequestError, Result};
 use crate::kv::cache::SingleSequence;
-use crate::model::llama::KvDtype;
+use crate::kv::KvDtype;
 use crate::model::LoadedModel;
 use crate::sampling::SamplingParams;
 use crate::sequence::{FinishReason, SequenceState, TokenOutput};
@@ -26,7 +28,8 @@ pub struct Generation {
     pub decode_seconds: f64,
 }
 
-/// Generates after `prompt`, calling `on_text` with each piece of text as it is produced.
+/// Generates after `prompt` alone, calling `on_text` with each piece of text as it is
+/// produced.
 pub fn generate(
     loaded: &LoadedModel,
     prompt: &[u32],
@@ -37,17 +40,15 @@ pub fn generate(
     let model = &loaded.model;
     let ctx = model.config().max_position_embeddings;
     if prompt.is_empty() {
-        return Err(Error::InvalidParameter(
-            "the prompt must contain at least one token".into(),
-        ));
+        return Err(RequestError::EmptyPrompt.into());
     }
     if prompt.len() + params.max_tokens > ctx {
-        return Err(Error::InvalidParameter(format!(
-            "the prompt has {} tokens and `max_tokens` is {}, together more than the model's \
-             context length of {ctx} tokens",
-            prompt.len(),
-            params.max_tokens
-        )));
+        return Err(RequestError::ContextTooLong {
+            max: ctx,
+            prompt: prompt.len(),
+            completion: params.max_tokens,
+        }
+        .into());
     }
     // Run on the thread pool's own workers so the caller sleeps instead of competing for a core.
     rayon::scope(|_| run(loaded, prompt, params, &mut on_text))
@@ -70,7 +71,7 @@ fn run(
     loop {
         let mut logits = cache.forward(model, &input)?;
         let Some(row) = logits.rows_mut().next() else {
-            return Err(Error::InvalidParameter("a step gave no logits".into()));
+            return Err(Error::internal("a step gave no logits"));
         };
         let step = seq.step(row, &loaded.tokenizer)?;
         first_token_at.get_or_insert_with(Instant::now);

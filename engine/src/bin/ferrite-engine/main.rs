@@ -1,6 +1,12 @@
-//! `ferrite-engine`: parses flags and hands them to the library.
+//! `ferrite-engine`: reads flags and runs the command they name with the engine library.
 
 #![forbid(unsafe_code)]
+
+mod bench;
+mod cli;
+mod download;
+mod generate;
+mod serve;
 
 use clap::Parser;
 
@@ -12,7 +18,7 @@ fn main() {
         )
         .with_writer(std::io::stderr)
         .init();
-    if let Err(e) = ferrite_engine::cli::run(ferrite_engine::cli::Cli::parse()) {
+    if let Err(e) = cli::run(cli::Cli::parse()) {
         eprintln!("error: {e}");
         std::process::exit(1);
     }

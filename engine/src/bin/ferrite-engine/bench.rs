@@ -1,17 +1,20 @@
 //! `ferrite-engine bench`: prompt processing and single-stream decode speed, next to the
 //! machine's memory bandwidth and the decode speed it allows.
 
+use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
 use candle_core::Device;
+use ferrite_engine::engine::{EngineConfig, EngineHandle, Event, StepObserver, StepView};
+use ferrite_engine::error::{ConfigError, Error, Result};
+use ferrite_engine::kv::cache::SingleSequence;
+use ferrite_engine::kv::KvDtype;
+use ferrite_engine::model::llama::Llama;
+use ferrite_engine::reference::generate;
+use ferrite_engine::sampling::SamplingParams;
+use ferrite_util::percentile;
 
 use crate::cli::BenchArgs;
-use crate::engine::{EngineConfig, EngineHandle, Event};
-use crate::error::{Error, Result};
-use crate::generate::generate;
-use crate::kv::cache::SingleSequence;
-use crate::model::llama::KvDtype;
-use crate::sampling::SamplingParams;
 
 /// Text that prompts are cut from (public domain: the opening of *Moby-Dick*).
 const TEXT: &str = "Call me Ishmael. Some years ago, never mind how long precisely, having little or \
@@ -48,7 +51,7 @@ pub fn memory_bandwidth() -> f64 {
 
 /// Runs the benchmark and prints a markdown table.
 pub fn run(args: &BenchArgs) -> Result<()> {
-    let loaded = crate::model::load(&args.model.model, &Device::Cpu)?;
+    let loaded = ferrite_engine::model::load(&args.model.model, &Device::Cpu)?;
     let model = &loaded.model;
     let mut text = String::new();
     while loaded.tokenizer.encode(&text, false)?.len() < args.prompt_tokens {
@@ -57,12 +60,17 @@ pub fn run(args: &BenchArgs) -> Result<()> {
     let mut prompt = loaded.tokenizer.encode(&text, false)?;
     prompt.truncate(args.prompt_tokens);
     if prompt.len() + args.decode_tokens > model.config().max_position_embeddings {
-        return Err(Error::InvalidParameter(format!(
-            "--prompt-tokens {} + --decode-tokens {} exceed the context length {}",
-            args.prompt_tokens,
-            args.decode_tokens,
-            model.config().max_position_embeddings
-        )));
+        return Err(ConfigError::Input {
+            what: format!(
+                "--prompt-tokens {} + --decode-tokens {}",
+                args.prompt_tokens, args.decode_tokens
+            ),
+            message: format!(
+                "exceed the context length {}",
+                model.config().max_position_embeddings
+            ),
+        }
+        .into());
     }
     let repeat = args.repeat.max(1);
     let mut pp_best = 0.0f64;
@@ -167,13 +175,21 @@ impl Phases {
     }
 }
 
+/// Which optional columns a table row has.
+#[derive(Debug, Clone, Copy, Default)]
+struct Columns {
+    /// With more than one round, the lowest and highest of the rounds' own ratios.
+    range: bool,
+    /// TTFT p90 over the median single run's.
+    ttft_ratio: bool,
+}
+
 impl Load {
     /// A table row for `label` from its runs (one per round) against `single`'s runs of the
-    /// same rounds: the median run's throughput and the ratio of the two medians — with
-    /// more than one round and `range`, also the lowest and highest of the rounds' own
-    /// ratios — its TTFT (with `ttft_ratio`, also p90 over the median single run's), and
-    /// its KV waste at the peak's first step and mean.
-    fn row(label: &str, runs: &[Load], single: &[Load], range: bool, ttft_ratio: bool) -> String {
+    /// same rounds: the median run's throughput and the ratio of the two medians, its TTFT,
+    /// the `columns` asked for, and its KV waste at the peak's first step and mean.
+    fn row(label: &str, runs: &[Load], single: &[Load], columns: Columns) -> String {
+        let Columns { range, ttft_ratio } = columns;
         let (this, one) = (Load::median(runs), Load::median(single));
         // The decode phase of a burst, from the same (median) runs.
         let decode = match (this.burst, one.burst) {
@@ -246,7 +262,7 @@ fn measure(
     // The model whose products are timed (the engine of each run loads its own).
     let timed = setups.iter().any(|s| s.time_products);
     let model = timed
-        .then(|| crate::model::load(path, &Device::Cpu))
+        .then(|| ferrite_engine::model::load(path, &Device::Cpu))
         .transpose()?;
     for _ in 0..rounds.max(1) {
         for (s, runs) in setups.iter().zip(&mut runs) {
@@ -295,8 +311,10 @@ fn run_load(
     arrival: Arrival,
     len: usize,
 ) -> Result<Load> {
-    let loaded = crate::model::load(path, &Device::Cpu)?;
-    let engine = EngineHandle::start(loaded, config)?;
+    let loaded = ferrite_engine::model::load(path, &Device::Cpu)?;
+    let fill = Arc::new(Mutex::new(PeakFill::default()));
+    let watch = Box::new(WatchFill(Arc::clone(&fill)));
+    let engine = EngineHandle::start_observed(loaded, config, Some(watch))?;
     let params = SamplingParams {
         ignore_eos: true,
         ..SamplingParams::greedy(len)
@@ -369,11 +387,8 @@ fn run_load(
         handles
             .into_iter()
             .map(|h| {
-                h.join().unwrap_or_else(|_| {
-                    Err(Error::InvalidParameter(
-                        "a benchmark client panicked".into(),
-                    ))
-                })
+                h.join()
+                    .unwrap_or_else(|_| Err(Error::internal("a benchmark client panicked")))
             })
             .collect()
     });
@@ -384,7 +399,8 @@ fn run_load(
     }
     let mut t: Vec<f64> = all.iter().filter_map(|r| r.ttft).collect();
     t.sort_by(f64::total_cmp);
-    let st = engine.stats();
+    drop(engine);
+    let st = fill.lock().map(|f| *f).unwrap_or_default();
     let peak = st.peak_allocated_slots.max(1) as f64;
     let mean_fill = st.filled_over_peak_steps as f64 / st.steps_at_peak.max(1) as f64;
     Ok(Load {
@@ -396,6 +412,48 @@ fn run_load(
         burst: (arrival == Arrival::Burst).then(|| phases(&all, elapsed)),
         products_s: None,
     })
+}
+
+/// The KV cache's fill at its peak allocation, as the engine's steps left it.
+#[derive(Debug, Clone, Copy, Default)]
+struct PeakFill {
+    /// Most cache slots the running sequences held at once (blocks × block size).
+    peak_allocated_slots: usize,
+    /// Slots holding a token at the first step that reached that peak (the emptiest moment
+    /// of the peak: new blocks have just been taken).
+    filled_at_peak: usize,
+    /// Steps that ended holding the peak number of slots.
+    steps_at_peak: u64,
+    /// Slots holding a token, summed over those steps.
+    filled_over_peak_steps: u64,
+}
+
+/// Keeps a [`PeakFill`] up to date from each step.
+struct WatchFill(Arc<Mutex<PeakFill>>);
+
+impl PeakFill {
+    /// Takes one step's slots held and filled.
+    fn record(&mut self, allocated: usize, filled: usize) {
+        if allocated > self.peak_allocated_slots {
+            *self = PeakFill {
+                peak_allocated_slots: allocated,
+                filled_at_peak: filled,
+                steps_at_peak: 1,
+                filled_over_peak_steps: filled as u64,
+            };
+        } else if allocated == self.peak_allocated_slots && allocated > 0 {
+            self.steps_at_peak += 1;
+            self.filled_over_peak_steps += filled as u64;
+        }
+    }
+}
+
+impl StepObserver for WatchFill {
+    fn after_step(&mut self, view: &StepView<'_>) {
+        if let Ok(mut st) = self.0.lock() {
+            st.record(view.allocated_slots(), view.filled_slots());
+        }
+    }
 }
 
 /// The engine configuration of the batching table.
@@ -412,9 +470,11 @@ fn batching(args: &BenchArgs, mut prompt: Vec<u32>) -> Result<()> {
     let len = args.request_tokens;
     prompt.truncate(len);
     if prompt.len() < len {
-        return Err(Error::InvalidParameter(format!(
-            "--request-tokens {len} is longer than the benchmark prompt"
-        )));
+        return Err(ConfigError::Input {
+            what: format!("--request-tokens {len}"),
+            message: "is longer than the benchmark prompt".into(),
+        }
+        .into());
     }
     let path = &args.model.model;
     let base = load_config(len);
@@ -459,7 +519,18 @@ fn batching(args: &BenchArgs, mut prompt: Vec<u32>) -> Result<()> {
     };
     if let Some(naive) = runs.get(args.concurrency.len()) {
         let label = format!("naive: {} requests, --max-num-seqs 1", args.naive_requests);
-        println!("{}", Load::row(&label, naive, single, true, false));
+        println!(
+            "{}",
+            Load::row(
+                &label,
+                naive,
+                single,
+                Columns {
+                    range: true,
+                    ttft_ratio: false
+                }
+            )
+        );
     }
     products_table(&args.concurrency, &runs);
     if args.rounds == 0 {
@@ -510,7 +581,7 @@ fn products_table(concurrency: &[usize], runs: &[Vec<Load>]) {
 /// Seconds one step's weight products take on `rows` rows: the median of [`PRODUCT_RUNS`]
 /// runs after one to warm up, each run inside the thread pool as an engine step runs (one
 /// injection, rather than one per product from outside it).
-fn time_products(model: &crate::model::llama::Llama, rows: usize) -> Result<f64> {
+fn time_products(model: &Llama, rows: usize) -> Result<f64> {
     // Stand-in inputs spread over [-1, 1), one per input width, so activation quantization
     // sees ordinary rows; made before the timing.
     let mut inputs = std::collections::BTreeMap::new();
@@ -574,18 +645,18 @@ fn print_rows<'a>(
     for (i, (c, r)) in concurrency.iter().zip(runs).enumerate() {
         println!(
             "{}",
-            Load::row(&c.to_string(), r, single, i > 0, ttft_ratio)
+            Load::row(
+                &c.to_string(),
+                r,
+                single,
+                Columns {
+                    range: i > 0,
+                    ttft_ratio
+                }
+            )
         );
     }
     Some(single)
-}
-
-/// The nearest-rank `p`-quantile of sorted values (0 when empty).
-fn percentile(sorted: &[f64], p: f64) -> f64 {
-    sorted
-        .get(((sorted.len() as f64 * p).ceil() as usize).saturating_sub(1))
-        .copied()
-        .unwrap_or(0.0)
 }
 
 #[cfg(test)]
@@ -597,6 +668,24 @@ mod tests {
             tokens_per_s,
             ..Load::default()
         }
+    }
+
+    #[test]
+    fn kv_waste_is_measured_over_the_whole_peak_not_just_its_first_step() {
+        let mut fill = PeakFill::default();
+        // Two blocks of 16 taken at step 3 and filled while held; then the sequence ends.
+        for (held, filled) in [(16, 3), (16, 15), (32, 17), (32, 24), (32, 31), (0, 0)] {
+            fill.record(held, filled);
+        }
+        assert_eq!(
+            (
+                fill.peak_allocated_slots,
+                fill.filled_at_peak,
+                fill.steps_at_peak
+            ),
+            (32, 17, 3)
+        );
+        assert_eq!(fill.filled_over_peak_steps, 17 + 24 + 31);
     }
 
     #[test]
@@ -612,12 +701,20 @@ mod tests {
         let single = [load(100.0), load(120.0), load(110.0)];
         let sixteen = [load(250.0), load(300.0), load(330.0)];
         // Medians 300 / 110; per round 2.50, 2.50, 3.00.
-        let row = Load::row("16", &sixteen, &single, true, false);
+        let row = Load::row(
+            "16",
+            &sixteen,
+            &single,
+            Columns {
+                range: true,
+                ttft_ratio: false,
+            },
+        );
         assert!(
             row.starts_with("| 16 | 300.0 | 2.73× (2.50–3.00) |"),
             "{row}"
         );
-        let row = Load::row("1", &single, &single, false, false);
+        let row = Load::row("1", &single, &single, Columns::default());
         assert!(row.starts_with("| 1 | 110.0 | 1.00× |"), "{row}");
     }
 
@@ -670,11 +767,19 @@ mod tests {
     fn burst_rows_give_the_decode_phase_against_the_single_requests() {
         let single = [burst(100.0, 0.1, 120, 1.0)];
         let sixteen = [burst(250.0, 1.0, 720, 2.0)];
-        let row = Load::row("16", &sixteen, &single, false, false);
+        let row = Load::row("16", &sixteen, &single, Columns::default());
         assert!(row.contains("| 360.0 (3.00×) |"), "{row}");
         // Steady traffic has no decode phase: its rows keep the steady table's 7 columns.
         let steady = [load(250.0)];
-        let row = Load::row("16", &steady, &[load(100.0)], false, true);
+        let row = Load::row(
+            "16",
+            &steady,
+            &[load(100.0)],
+            Columns {
+                range: false,
+                ttft_ratio: true,
+            },
+        );
         assert_eq!(row.matches('|').count(), 7 + 1, "{row}");
     }
 

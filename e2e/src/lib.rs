@@ -1,0 +1,43 @@
+//! Helpers for the tests that cross Ferrite's crates: where the repository, the default
+//! model and the built `ferrite-engine` binary are.
+
+#![forbid(unsafe_code)]
+
+use std::path::PathBuf;
+
+/// The repository root.
+pub fn workspace() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..")
+}
+
+/// The default model fetched by `make model` (override with `FERRITE_TEST_MODEL`).
+pub fn default_model() -> PathBuf {
+    let path = match std::env::var_os("FERRITE_TEST_MODEL") {
+        Some(p) => PathBuf::from(p),
+        None => workspace().join("models/SmolLM2-135M-Instruct.Q4_1.gguf"),
+    };
+    assert!(
+        path.is_file(),
+        "{} is missing: run `make model` (make test does)",
+        path.display()
+    );
+    path
+}
+
+/// The `ferrite-engine` binary the same `cargo test` built, beside this test's own
+/// directory (`cargo test --workspace`, which `make test` runs, builds every binary first).
+pub fn engine_bin() -> PathBuf {
+    let exe = std::env::current_exe().expect("the test knows its own path");
+    // target/<profile>/deps/<test> -> target/<profile>/ferrite-engine
+    let bin = exe
+        .parent()
+        .and_then(|deps| deps.parent())
+        .map(|profile| profile.join("ferrite-engine"))
+        .expect("the test runs from a target directory");
+    assert!(
+        bin.is_file(),
+        "{} is missing: build it with `cargo test --workspace` (make test does)",
+        bin.display()
+    );
+    bin
+}

@@ -1,53 +1,57 @@
 //! `/v1/completions` and `/v1/chat/completions`: validate, tokenize, submit one engine
-//! request per prompt and choice, then answer with one JSON body or a stream of
-//! Server-Sent Events ending in `data: [DONE]`.
+//! request per prompt and choice, then answer with one typed JSON body or, with
+//! `stream: true`, a stream of Server-Sent Events ([`super::stream`]) ending in
+//! `data: [DONE]`.
 
-use std::convert::Infallible;
 use std::sync::Arc;
 use std::time::Instant;
 
 use axum::body::Bytes;
 use axum::extract::State;
-use axum::response::sse::{Event as SseEvent, Sse};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
-use futures::stream::{self, Stream, StreamExt};
-use serde_json::{json, Value};
+use serde_json::Value;
 
 use super::errors::{ApiError, Body};
-use super::openai::{
-    ChatRequest, CompletionRequest, Prompt, Sampling, CHAT_FIELDS, COMPLETION_FIELDS,
-    SAMPLING_FIELDS,
+use super::openai::fields_of;
+use super::openai::request::{ChatRequest, CompletionRequest, Prompt, Sampling, IGNORED_FIELDS};
+use super::openai::response::{
+    now_unix, request_id, AssistantMessage, ChatChoice, ChatCompletion, ChatLogprobs, Completion,
+    CompletionChoice, CompletionLogprobs, Usage,
 };
 use super::{AppState, Ready};
-use crate::engine::{Event, Finish, RequestStream};
+use crate::engine::{Collected, Event, Finish, RequestStream};
 use crate::sampling::SamplingParams;
 use crate::sequence::TokenOutput;
 
 /// Which endpoint a response is shaped for.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Kind {
+pub(super) enum Kind {
     Completion,
     Chat,
 }
 
-/// Parses a JSON body into the endpoint's own fields (`T`, from `known`) and the sampling
-/// fields both endpoints share, refusing malformed JSON and unknown fields by name. The two
-/// are read apart, each naming a field of the wrong type (a flattened struct would hide
-/// the sampling fields' names).
-fn parse<T: serde::de::DeserializeOwned>(
-    body: &Bytes,
-    known: &[&str],
-) -> Result<(T, Sampling), ApiError> {
+/// Parses a JSON body into the endpoint's own fields (`T`) and the sampling fields both
+/// endpoints share, refusing malformed JSON and unknown fields by name. The two are read
+/// apart, each naming a field of the wrong type (a flattened struct would hide the sampling
+/// fields' names); the accepted names come from the structs themselves.
+fn parse<T: serde::de::DeserializeOwned>(body: &Bytes) -> Result<(T, Sampling), ApiError> {
     let Value::Object(obj) = super::errors::json_body(body)? else {
         return Err(ApiError::bad_request(
             "the request body must be a JSON object",
             None,
         ));
     };
-    let accepted = |k: &str| known.contains(&k) || SAMPLING_FIELDS.contains(&k);
+    let (own, sampling) = (fields_of::<T>(), fields_of::<Sampling>());
+    let accepted =
+        |k: &str| own.contains(&k) || sampling.contains(&k) || IGNORED_FIELDS.contains(&k);
     if let Some(k) = obj.keys().find(|k| !accepted(k)) {
-        let all: Vec<&str> = known.iter().chain(SAMPLING_FIELDS).copied().collect();
+        let all: Vec<&str> = own
+            .iter()
+            .chain(sampling)
+            .chain(IGNORED_FIELDS)
+            .copied()
+            .collect();
         return Err(ApiError::bad_request(
             format!(
                 "unrecognized request argument `{k}`; accepted: {}",
@@ -56,21 +60,22 @@ fn parse<T: serde::de::DeserializeOwned>(
             Some(k),
         ));
     }
-    let (sampling, own): (serde_json::Map<_, _>, serde_json::Map<_, _>) = obj
+    let (sampling_part, own_part): (serde_json::Map<_, _>, serde_json::Map<_, _>) = obj
         .into_iter()
-        .partition(|(k, _)| SAMPLING_FIELDS.contains(&k.as_str()));
+        .filter(|(k, _)| !IGNORED_FIELDS.contains(&k.as_str()))
+        .partition(|(k, _)| sampling.contains(&k.as_str()));
     Ok((
-        super::errors::from_json(own.into())?,
-        super::errors::from_json(sampling.into())?,
+        super::errors::from_json(own_part.into())?,
+        super::errors::from_json(sampling_part.into())?,
     ))
 }
 
 /// One engine request: a prompt and the choice it answers.
-struct Job {
-    prompt: Vec<u32>,
+pub(super) struct Job {
+    pub(super) prompt: Vec<u32>,
     /// Which prompt (for usage, counted once per prompt) and which choice.
-    prompt_index: usize,
-    choice: usize,
+    pub(super) prompt_index: usize,
+    pub(super) choice: usize,
 }
 
 /// Submits every job together, refusing new work while draining; the engine refuses it
@@ -102,26 +107,36 @@ fn submit(
 }
 
 /// Per-request latency bookkeeping for the metrics.
-struct Tracker {
+pub(super) struct Tracker {
     arrived: Instant,
     last: Option<Instant>,
     state: Arc<AppState>,
 }
 
 impl Tracker {
+    pub(super) fn new(arrived: Instant, state: Arc<AppState>) -> Self {
+        Tracker {
+            arrived,
+            last: None,
+            state,
+        }
+    }
+
+    /// Records what an event means for the latency metrics.
+    pub(super) fn observe(&mut self, event: &Event) {
+        match event {
+            Event::Token { .. } => self.token(),
+            Event::Finished(f) => self.finish(f),
+            Event::PromptLogprobs(_) => {}
+        }
+    }
+
     fn token(&mut self) {
         let now = Instant::now();
+        let m = &self.state.metrics;
         match self.last {
-            None => self
-                .state
-                .metrics
-                .ttft
-                .observe((now - self.arrived).as_secs_f64()),
-            Some(t) => self
-                .state
-                .metrics
-                .inter_token
-                .observe((now - t).as_secs_f64()),
+            None => m.ttft.observe((now - self.arrived).as_secs_f64()),
+            Some(t) => m.inter_token.observe((now - t).as_secs_f64()),
         }
         self.last = Some(now);
     }
@@ -136,96 +151,9 @@ impl Tracker {
     }
 }
 
-/// A finished choice.
-struct Choice {
-    /// The scored prompt tokens after the first, if asked for.
-    prompt: Option<Vec<TokenOutput>>,
-    tokens: Vec<TokenOutput>,
-    text: String,
-    finish: Finish,
-}
-
-async fn collect(mut stream: RequestStream, mut tracker: Tracker) -> Result<Choice, ApiError> {
-    let (mut tokens, mut text, mut prompt) = (Vec::new(), String::new(), None);
-    while let Some(ev) = stream.next().await {
-        match ev {
-            Event::PromptLogprobs(scores) => prompt = Some(scores),
-            Event::Token { token, text: t } => {
-                tracker.token();
-                tokens.push(token);
-                text.push_str(&t);
-            }
-            Event::Finished(finish) => {
-                tracker.finish(&finish);
-                return Ok(Choice {
-                    prompt,
-                    tokens,
-                    text,
-                    finish,
-                });
-            }
-        }
-    }
-    Err(crate::Error::EngineStopped.into())
-}
-
-fn usage(prompt_tokens: usize, completion_tokens: usize, cached: usize) -> Value {
-    json!({
-        "prompt_tokens": prompt_tokens,
-        "completion_tokens": completion_tokens,
-        "total_tokens": prompt_tokens + completion_tokens,
-        "prompt_tokens_details": {"cached_tokens": cached},
-    })
-}
-
-fn now_unix() -> u64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| d.as_secs())
-        .unwrap_or(0)
-}
-
-fn request_id(prefix: &str) -> String {
-    format!("{prefix}-{:032x}", rand::random::<u128>())
-}
-
-/// Log-probabilities in the shape of each endpoint.
-fn logprobs_json(ready: &Ready, kind: Kind, tokens: &[TokenOutput], offset: usize) -> Value {
-    let text = |id: u32| ready.tokenizer.token_text(id);
-    match kind {
-        Kind::Completion => {
-            let mut at = offset;
-            let mut offsets = Vec::new();
-            for t in tokens {
-                offsets.push(at);
-                at += text(t.id).len();
-            }
-            json!({
-                "tokens": tokens.iter().map(|t| text(t.id)).collect::<Vec<_>>(),
-                "token_logprobs": tokens.iter().map(|t| t.logprob).collect::<Vec<_>>(),
-                "top_logprobs": tokens.iter().map(|t| {
-                    t.logprob.map(|_| t.top.iter().map(|&(id, lp)| (text(id), json!(lp))).collect::<serde_json::Map<_, _>>())
-                }).collect::<Vec<_>>(),
-                "text_offset": offsets,
-            })
-        }
-        Kind::Chat => {
-            let entry = |id: u32, lp: Option<f32>| {
-                let t = text(id);
-                json!({"token": t, "logprob": lp, "bytes": t.as_bytes()})
-            };
-            json!({"content": tokens.iter().map(|t| {
-                let mut e = entry(t.id, t.logprob);
-                e["top_logprobs"] = Value::Array(t.top.iter().map(|&(id, lp)| entry(id, Some(lp))).collect());
-                e
-            }).collect::<Vec<_>>()})
-        }
-    }
-}
-
 /// The prompt's tokens as log-probability entries: the first unscored (nothing precedes
 /// it), then the engine's scores of the rest.
-fn prompt_entries(prompt: &[u32], scores: Vec<TokenOutput>) -> Vec<TokenOutput> {
+pub(super) fn prompt_entries(prompt: &[u32], scores: Vec<TokenOutput>) -> Vec<TokenOutput> {
     let first = prompt.first().map(|&id| TokenOutput {
         id,
         logprob: None,
@@ -235,19 +163,31 @@ fn prompt_entries(prompt: &[u32], scores: Vec<TokenOutput>) -> Vec<TokenOutput> 
 }
 
 /// Everything a response needs besides the streams.
-struct Plan {
-    kind: Kind,
-    id: String,
-    created: u64,
-    model: String,
-    jobs: Vec<Job>,
-    prompts: Vec<usize>,
+pub(super) struct Plan {
+    pub(super) kind: Kind,
+    pub(super) id: String,
+    pub(super) created: u64,
+    pub(super) model: String,
+    pub(super) jobs: Vec<Job>,
+    pub(super) prompts: Vec<usize>,
     /// Text to prepend to each prompt's choices (`echo`).
-    echo: Vec<String>,
-    logprobs: bool,
+    pub(super) echo: Vec<String>,
+    pub(super) logprobs: bool,
     /// The prompt is scored (`echo` with `logprobs`): its tokens lead the log-probabilities.
-    score_prompt: bool,
-    include_usage: bool,
+    pub(super) score_prompt: bool,
+    pub(super) include_usage: bool,
+}
+
+impl Plan {
+    /// The text `echo` puts before job `job`'s choice.
+    pub(super) fn echo_of(&self, job: &Job) -> &str {
+        self.echo.get(job.prompt_index).map_or("", String::as_str)
+    }
+
+    /// Prompt tokens over every prompt (each counted once, whatever `n`).
+    pub(super) fn prompt_tokens(&self) -> usize {
+        self.prompts.iter().sum()
+    }
 }
 
 async fn respond(
@@ -260,27 +200,20 @@ async fn respond(
     let arrived = Instant::now();
     let streams = submit(&ready, &state, &plan.jobs, &params)?;
     if stream {
-        return Ok(sse(state, ready, plan, streams, arrived).into_response());
+        return Ok(super::stream::sse(state, ready, plan, streams, arrived).into_response());
     }
-    let tracker = |_: usize| Tracker {
-        arrived,
-        last: None,
-        state: Arc::clone(&state),
-    };
-    let choices = futures::future::join_all(
-        streams
-            .into_iter()
-            .enumerate()
-            .map(|(i, s)| collect(s, tracker(i))),
-    )
+    let choices = futures::future::join_all(streams.into_iter().map(|s| {
+        let mut tracker = Tracker::new(arrived, Arc::clone(&state));
+        s.collect(move |e| tracker.observe(e))
+    }))
     .await;
-    let mut out = Vec::new();
     let (mut completion_tokens, mut cached) = (0, 0);
     // The scores of the current prompt, from its first choice, for its other choices (kept
     // only when it has others: a lone choice's scores are not copied).
     let mut scored = None;
+    let mut done = Vec::with_capacity(choices.len());
     for (k, (job, choice)) in plan.jobs.iter().zip(choices).enumerate() {
-        let mut c = choice?;
+        let mut c: Collected = choice?;
         if job.choice > 0 {
             c.prompt.clone_from(&scored);
         } else if plan.jobs.get(k + 1).is_some_and(|next| next.choice > 0) {
@@ -290,248 +223,72 @@ async fn respond(
         if job.choice == 0 {
             cached += c.finish.cached_tokens;
         }
-        let echo = plan
-            .echo
-            .get(job.prompt_index)
-            .map(String::as_str)
-            .unwrap_or("");
-        let logprobs = plan.logprobs.then(|| match c.prompt {
-            // With `echo`, the prompt's tokens lead, scored, as in OpenAI's legacy API.
-            Some(scores) => {
-                let mut all = prompt_entries(&job.prompt, scores);
-                all.extend(c.tokens);
-                logprobs_json(&ready, plan.kind, &all, 0)
-            }
-            None => logprobs_json(&ready, plan.kind, &c.tokens, echo.len()),
-        });
-        let index = out.len();
-        out.push(match plan.kind {
-            Kind::Completion => json!({
-                "index": index,
-                "text": format!("{echo}{}", c.text),
-                "logprobs": logprobs,
-                "finish_reason": c.finish.reason.as_str(),
-            }),
-            Kind::Chat => json!({
-                "index": index,
-                "message": {"role": "assistant", "content": c.text},
-                "logprobs": logprobs,
-                "finish_reason": c.finish.reason.as_str(),
-            }),
-        });
+        done.push(c);
     }
-    let object = if plan.kind == Kind::Chat {
-        "chat.completion"
-    } else {
-        "text_completion"
-    };
-    let prompt_tokens: usize = plan.prompts.iter().sum();
-    Ok(Json(json!({
-        "id": plan.id,
-        "object": object,
-        "created": plan.created,
-        "model": plan.model,
-        "choices": out,
-        "usage": usage(prompt_tokens, completion_tokens, cached),
-    }))
-    .into_response())
-}
-
-/// Streams every choice's tokens as chunks, then the usage chunk if asked, then `[DONE]`.
-fn sse(
-    state: Arc<AppState>,
-    ready: Arc<Ready>,
-    plan: Plan,
-    streams: Vec<RequestStream>,
-    arrived: Instant,
-) -> Sse<impl Stream<Item = Result<SseEvent, Infallible>>> {
-    let n = streams.len();
-    // Every choice's events, then `None` once all streams have ended.
-    let merged = stream::select_all(streams.into_iter().enumerate().map(|(i, s)| {
-        Box::pin(
-            stream::unfold(s, |mut s| async move { s.next().await.map(|ev| (ev, s)) })
-                .map(move |ev| Some((i, ev))),
-        )
-    }))
-    .chain(stream::once(async { None }));
-    let plan = Arc::new(plan);
-    let trackers: Vec<Tracker> = (0..n)
-        .map(|_| Tracker {
-            arrived,
-            last: None,
-            state: Arc::clone(&state),
-        })
-        .collect();
-    let chunk_object = if plan.kind == Kind::Chat {
-        "chat.completion.chunk"
-    } else {
-        "text_completion"
-    };
-    let envelope = {
-        let plan = Arc::clone(&plan);
-        move |choices: Value| json!({"id": plan.id, "object": chunk_object, "created": plan.created, "model": plan.model, "choices": choices})
-    };
-    // First chunks: the assistant role for chat, the echoed prompt for completions.
-    let mut opening = Vec::new();
-    for (i, job) in plan.jobs.iter().enumerate() {
-        let first = match plan.kind {
-            Kind::Chat => Some(
-                json!({"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": null, "finish_reason": null}),
-            ),
-            // A scored prompt is echoed when its scores arrive.
-            Kind::Completion if plan.score_prompt => None,
-            Kind::Completion => plan
-                .echo
-                .get(job.prompt_index)
-                .filter(|e| !e.is_empty())
-                .map(|e| json!({"index": i, "text": e, "logprobs": null, "finish_reason": null})),
-        };
-        if let Some(c) = first {
-            opening.push(envelope(json!([c])));
-        }
-    }
-    struct Acc {
-        trackers: Vec<Tracker>,
-        open: usize,
-        completion_tokens: usize,
-        cached: usize,
-        offsets: Vec<usize>,
-        /// Events of a scored prompt's later choices, held until the prompt's scores (from
-        /// its first choice) have been echoed for them.
-        held: Vec<Option<Vec<Event>>>,
-    }
-    let acc = Acc {
-        trackers,
-        open: n,
-        completion_tokens: 0,
-        cached: 0,
-        offsets: vec![0; n],
-        held: plan
-            .jobs
-            .iter()
-            .map(|j| (plan.score_prompt && j.choice > 0).then(Vec::new))
-            .collect(),
-    };
-    // Choice `i`'s chunks for one of its events.
-    let render = {
-        let plan = Arc::clone(&plan);
-        let envelope = envelope.clone();
-        move |acc: &mut Acc, i: usize, ev: Event| -> Vec<Value> {
-            match ev {
-                Event::PromptLogprobs(scores) => {
-                    // The echo, scored, for every choice of this prompt.
-                    let job = &plan.jobs[i];
-                    let entries = prompt_entries(&job.prompt, scores);
-                    let logprobs = logprobs_json(&ready, plan.kind, &entries, 0);
-                    let offset = entries
-                        .iter()
-                        .map(|t| ready.tokenizer.token_text(t.id).len())
-                        .sum();
-                    let echo = plan.echo.get(job.prompt_index).map_or("", String::as_str);
-                    let chunk = |k| json!([{"index": k, "text": echo, "logprobs": logprobs, "finish_reason": null}]);
-                    siblings(&plan.jobs, i)
-                        .map(|k| {
-                            acc.offsets[k] = offset;
-                            envelope(chunk(k))
-                        })
-                        .collect()
-                }
-                Event::Token { token, text } => {
-                    acc.trackers[i].token();
-                    let logprobs = plan.logprobs.then(|| {
-                        logprobs_json(
-                            &ready,
-                            plan.kind,
-                            std::slice::from_ref(&token),
-                            acc.offsets[i],
-                        )
+    let usage = Usage::new(plan.prompt_tokens(), completion_tokens, cached);
+    let tk = &ready.tokenizer;
+    Ok(match plan.kind {
+        Kind::Completion => {
+            let choices = plan
+                .jobs
+                .iter()
+                .zip(done)
+                .enumerate()
+                .map(|(index, (job, c))| {
+                    let echo = plan.echo_of(job);
+                    let logprobs = plan.logprobs.then(|| match c.prompt {
+                        // With `echo`, the prompt's tokens lead, scored, as in OpenAI's
+                        // legacy API.
+                        Some(scores) => {
+                            let mut all = prompt_entries(&job.prompt, scores);
+                            all.extend(c.tokens);
+                            CompletionLogprobs::new(tk, &all, 0)
+                        }
+                        None => CompletionLogprobs::new(tk, &c.tokens, echo.len()),
                     });
-                    acc.offsets[i] += ready.tokenizer.token_text(token.id).len();
-                    if text.is_empty() && logprobs.is_none() {
-                        Vec::new()
-                    } else {
-                        vec![envelope(json!([match plan.kind {
-                            Kind::Chat =>
-                                json!({"index": i, "delta": {"content": text}, "logprobs": logprobs, "finish_reason": null}),
-                            Kind::Completion =>
-                                json!({"index": i, "text": text, "logprobs": logprobs, "finish_reason": null}),
-                        }]))]
+                    CompletionChoice {
+                        index,
+                        text: format!("{echo}{}", c.text),
+                        logprobs,
+                        finish_reason: Some(c.finish.reason.as_str()),
                     }
-                }
-                Event::Finished(f) => {
-                    acc.trackers[i].finish(&f);
-                    acc.open -= 1;
-                    acc.completion_tokens += f.completion_tokens;
-                    if plan.jobs[i].choice == 0 {
-                        acc.cached += f.cached_tokens;
-                    }
-                    let reason = f.reason.as_str();
-                    let mut chunks = vec![envelope(json!([match plan.kind {
-                        Kind::Chat =>
-                            json!({"index": i, "delta": {}, "logprobs": null, "finish_reason": reason}),
-                        Kind::Completion =>
-                            json!({"index": i, "text": "", "logprobs": null, "finish_reason": reason}),
-                    }]))];
-                    if acc.open == 0 && plan.include_usage {
-                        let mut u = envelope(json!([]));
-                        u["usage"] =
-                            usage(plan.prompts.iter().sum(), acc.completion_tokens, acc.cached);
-                        chunks.push(u);
-                    }
-                    chunks
-                }
-            }
+                })
+                .collect();
+            Json(Completion {
+                id: plan.id,
+                object: "text_completion",
+                created: plan.created,
+                model: plan.model,
+                choices,
+                usage: Some(usage),
+            })
+            .into_response()
         }
-    };
-    // Renders the events held for choice `k`, which need no more holding.
-    let release = {
-        let render = render.clone();
-        move |acc: &mut Acc, k: usize, out: &mut Vec<Value>| {
-            for ev in acc.held[k].take().unwrap_or_default() {
-                out.extend(render(acc, k, ev));
-            }
+        Kind::Chat => {
+            let choices = done
+                .into_iter()
+                .enumerate()
+                .map(|(index, c)| ChatChoice {
+                    index,
+                    logprobs: plan.logprobs.then(|| ChatLogprobs::new(tk, &c.tokens)),
+                    message: AssistantMessage {
+                        role: "assistant",
+                        content: c.text,
+                    },
+                    finish_reason: c.finish.reason.as_str(),
+                })
+                .collect();
+            Json(ChatCompletion {
+                id: plan.id,
+                object: "chat.completion",
+                created: plan.created,
+                model: plan.model,
+                choices,
+                usage,
+            })
+            .into_response()
         }
-    };
-    let body = merged
-        .scan(acc, {
-            let plan = Arc::clone(&plan);
-            move |acc, item| {
-                let mut out = Vec::new();
-                let Some((i, ev)) = item else {
-                    for k in 0..acc.held.len() {
-                        release(acc, k, &mut out);
-                    }
-                    // Streams that ended without finishing lost their engine: say so rather
-                    // than end as if complete.
-                    out.extend(
-                        (acc.open > 0).then(|| ApiError::from(crate::Error::EngineStopped).body()),
-                    );
-                    return futures::future::ready(Some(out));
-                };
-                if let Some(held) = acc.held[i].as_mut() {
-                    held.push(ev);
-                    return futures::future::ready(Some(out));
-                }
-                // A first choice's scores (or its end, if none came) free its siblings.
-                let frees = plan.jobs[i].choice == 0
-                    && matches!(ev, Event::PromptLogprobs(_) | Event::Finished(_));
-                out.extend(render(acc, i, ev));
-                if frees {
-                    for k in siblings(&plan.jobs, i) {
-                        release(acc, k, &mut out);
-                    }
-                }
-                futures::future::ready(Some(out))
-            }
-        })
-        .flat_map(stream::iter);
-    let events = stream::iter(opening)
-        .chain(body)
-        .map(|v| Ok(SseEvent::default().data(v.to_string())))
-        .chain(stream::once(async {
-            Ok(SseEvent::default().data("[DONE]"))
-        }));
-    Sse::new(events)
+    })
 }
 
 /// `POST /v1/completions`.
@@ -540,7 +297,7 @@ pub async fn completions(
     Body(body): Body,
 ) -> Result<Response, ApiError> {
     let ready = state.ready()?;
-    let (req, sampling): (CompletionRequest, Sampling) = parse(&body, COMPLETION_FIELDS)?;
+    let (req, sampling): (CompletionRequest, Sampling) = parse(&body)?;
     state.check_model(&req.model)?;
     let n = sampling.n()?;
     let echo = req.echo.unwrap_or(false);
@@ -568,7 +325,10 @@ pub async fn completions(
     } else {
         Vec::new()
     };
-    let mut params = sampling.params(req.max_tokens.unwrap_or(16), req.logprobs)?;
+    let mut params = sampling.params(
+        req.max_tokens.unwrap_or(SamplingParams::DEFAULT.max_tokens),
+        req.logprobs,
+    )?;
     let score_prompt = echo && req.logprobs.is_some();
     if score_prompt {
         params.prompt_logprobs = req.logprobs;
@@ -595,7 +355,7 @@ pub async fn chat(
     Body(body): Body,
 ) -> Result<Response, ApiError> {
     let ready = state.ready()?;
-    let (req, sampling): (ChatRequest, Sampling) = parse(&body, CHAT_FIELDS)?;
+    let (req, sampling): (ChatRequest, Sampling) = parse(&body)?;
     state.check_model(&req.model)?;
     let n = sampling.n()?;
     let messages = req.messages()?;
@@ -640,7 +400,7 @@ pub async fn chat(
 }
 
 /// The indexes of the jobs that share job `i`'s prompt, `i` among them.
-fn siblings(jobs: &[Job], i: usize) -> impl Iterator<Item = usize> + '_ {
+pub(super) fn siblings(jobs: &[Job], i: usize) -> impl Iterator<Item = usize> + '_ {
     let prompt = jobs[i].prompt_index;
     (0..jobs.len()).filter(move |&k| jobs[k].prompt_index == prompt)
 }
@@ -665,7 +425,7 @@ mod tests {
 
     /// A completion request body read as the endpoint reads it.
     fn read(body: &str) -> Result<(CompletionRequest, Sampling), ApiError> {
-        parse(&Bytes::from(body.to_string()), COMPLETION_FIELDS)
+        parse(&Bytes::from(body.to_string()))
     }
 
     /// The sampling fields of a completion request body that parses.

@@ -8,7 +8,8 @@
 mod completions;
 mod errors;
 mod metrics;
-mod openai;
+pub mod openai;
+mod stream;
 
 use std::future::Future;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -26,6 +27,8 @@ use tokio::net::TcpListener;
 
 pub use errors::ApiError;
 pub use metrics::Metrics;
+
+use openai::response::{ModelCard, ModelList};
 
 use crate::engine::EngineHandle;
 use crate::tokenizer::Tokenizer;
@@ -158,24 +161,25 @@ fn panics_answered(
     tower_http::catch_panic::CatchPanicLayer::custom(answer)
 }
 
-async fn models(State(state): State<Arc<AppState>>) -> Result<Json<serde_json::Value>, ApiError> {
+async fn models(State(state): State<Arc<AppState>>) -> Result<Json<ModelList>, ApiError> {
     let ready = state.ready()?;
     let max_model_len = ready.engine.info().max_model_len;
-    let data: Vec<serde_json::Value> = state
+    let data = state
         .config
         .served_model_names
         .iter()
-        .map(|name| {
-            json!({
-                "id": name,
-                "object": "model",
-                "created": 0,
-                "owned_by": "ferrite",
-                "max_model_len": max_model_len,
-            })
+        .map(|name| ModelCard {
+            id: name.clone(),
+            object: "model",
+            created: 0,
+            owned_by: "ferrite",
+            max_model_len,
         })
         .collect();
-    Ok(Json(json!({ "object": "list", "data": data })))
+    Ok(Json(ModelList {
+        object: "list",
+        data,
+    }))
 }
 
 async fn health(State(state): State<Arc<AppState>>) -> Response {

@@ -1,10 +1,11 @@
 //! OpenAI's request shapes for `/v1/completions` and `/v1/chat/completions` (with vLLM's
-//! extra sampling fields), and their translation to [`SamplingParams`].
+//! extra sampling fields), and their translation to [`SamplingParams`], whose defaults they
+//! start from.
 
 use serde::Deserialize;
 
-use super::errors::ApiError;
 use crate::sampling::SamplingParams;
+use crate::server::errors::ApiError;
 use crate::tokenizer::ChatMessage;
 
 /// `prompt`: a string, strings, token ids, or lists of token ids.
@@ -127,23 +128,24 @@ impl Sampling {
             })?;
             logit_bias.push((id, bias));
         }
+        let d = SamplingParams::DEFAULT;
         let p = SamplingParams {
-            temperature: self.temperature.unwrap_or(1.0),
-            top_p: self.top_p.unwrap_or(1.0),
+            temperature: self.temperature.unwrap_or(d.temperature),
+            top_p: self.top_p.unwrap_or(d.top_p),
             top_k,
-            min_p: self.min_p.unwrap_or(0.0),
-            presence_penalty: self.presence_penalty.unwrap_or(0.0),
-            frequency_penalty: self.frequency_penalty.unwrap_or(0.0),
-            repetition_penalty: self.repetition_penalty.unwrap_or(1.0),
+            min_p: self.min_p.unwrap_or(d.min_p),
+            presence_penalty: self.presence_penalty.unwrap_or(d.presence_penalty),
+            frequency_penalty: self.frequency_penalty.unwrap_or(d.frequency_penalty),
+            repetition_penalty: self.repetition_penalty.unwrap_or(d.repetition_penalty),
             seed: self.seed,
             max_tokens,
-            min_tokens: self.min_tokens.unwrap_or(0),
+            min_tokens: self.min_tokens.unwrap_or(d.min_tokens),
             stop,
             stop_token_ids: self.stop_token_ids.clone().unwrap_or_default(),
-            ignore_eos: self.ignore_eos.unwrap_or(false),
+            ignore_eos: self.ignore_eos.unwrap_or(d.ignore_eos),
             logprobs,
-            prompt_logprobs: None,
             logit_bias,
+            ..d
         };
         p.validate()?;
         Ok(p)
@@ -163,39 +165,9 @@ impl Sampling {
     }
 }
 
-/// Fields of [`Sampling`], accepted by both endpoints.
-pub const SAMPLING_FIELDS: &[&str] = &[
-    "temperature",
-    "top_p",
-    "n",
-    "stop",
-    "seed",
-    "presence_penalty",
-    "frequency_penalty",
-    "top_k",
-    "min_p",
-    "repetition_penalty",
-    "ignore_eos",
-    "min_tokens",
-    "stop_token_ids",
-    "logit_bias",
-    "stream",
-    "stream_options",
-    "user",
-];
-
-/// Fields only `/v1/completions` accepts; anything else is refused by name.
-pub const COMPLETION_FIELDS: &[&str] = &["model", "prompt", "max_tokens", "logprobs", "echo"];
-
-/// Fields only `/v1/chat/completions` accepts.
-pub const CHAT_FIELDS: &[&str] = &[
-    "model",
-    "messages",
-    "max_tokens",
-    "max_completion_tokens",
-    "logprobs",
-    "top_logprobs",
-];
+/// Fields OpenAI defines that change nothing Ferrite generates: accepted by both
+/// endpoints and ignored.
+pub const IGNORED_FIELDS: &[&str] = &["user"];
 
 /// `POST /v1/completions`.
 #[derive(Debug, Clone, Deserialize)]

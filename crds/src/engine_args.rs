@@ -4,7 +4,7 @@
 
 use std::path::PathBuf;
 
-use crate::llmservice::{EngineSpec, LLMService};
+use crate::llmservice::{LLMService, LLMServiceSpec};
 
 /// Where a model's weights come from.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -75,9 +75,11 @@ impl ModelSource {
     }
 }
 
-/// Engine flags for `spec.engine`, in a fixed order; unset fields are left to the engine's
-/// defaults and `extraArgs` come last.
-pub fn engine_args(engine: &EngineSpec) -> Vec<String> {
+/// Engine flags for `spec.engine` (and `--device cuda` when `spec.gpuResource` asks for
+/// GPUs, which the engine refuses with a message until it has a GPU backend), in a fixed
+/// order; unset fields are left to the engine's defaults and `extraArgs` come last.
+pub fn engine_args(spec: &LLMServiceSpec) -> Vec<String> {
+    let engine = &spec.engine;
     let mut args = Vec::new();
     let mut flag = |name: &str, value: Option<String>| {
         if let Some(v) = value {
@@ -109,6 +111,9 @@ pub fn engine_args(engine: &EngineSpec) -> Vec<String> {
         Some(false) => args.push("--no-enable-prefix-caching".into()),
         None => {}
     }
+    if spec.gpu_resource.is_some() {
+        args.extend(["--device".to_string(), "cuda".into()]);
+    }
     args.extend(engine.extra_args.iter().cloned());
     args
 }
@@ -127,9 +132,21 @@ pub fn served_model_name(svc: &LLMService) -> String {
 mod tests {
     use super::*;
 
+    use crate::llmservice::EngineSpec;
+
+    /// A spec with `engine` and, if given, GPUs of `gpu`.
+    fn spec(engine: EngineSpec, gpu: Option<&str>) -> LLMServiceSpec {
+        let mut s: LLMServiceSpec =
+            serde_json::from_value(serde_json::json!({"model": {"source": "hf://a/b"}}))
+                .expect("minimal spec");
+        s.engine = engine;
+        s.gpu_resource = gpu.map(str::to_string);
+        s
+    }
+
     #[test]
     fn every_engine_field_maps_to_its_vllm_flag() {
-        let spec = EngineSpec {
+        let engine = EngineSpec {
             tensor_parallel_size: Some(2),
             pipeline_parallel_size: Some(1),
             gpu_memory_utilization: Some(0.85),
@@ -141,12 +158,16 @@ mod tests {
             extra_args: vec!["--seed".into(), "1".into()],
         };
         assert_eq!(
-            engine_args(&spec).join(" "),
+            engine_args(&spec(engine.clone(), None)).join(" "),
             "--tensor-parallel-size 2 --pipeline-parallel-size 1 --gpu-memory-utilization 0.85 \
              --max-model-len 4096 --max-num-seqs 64 --max-num-batched-tokens 1024 --block-size 32 \
              --no-enable-prefix-caching --seed 1"
         );
-        assert!(engine_args(&EngineSpec::default()).is_empty());
+        assert!(engine_args(&spec(EngineSpec::default(), None)).is_empty());
+        // GPUs requested: the engine is told, before the user's extra arguments.
+        assert!(engine_args(&spec(engine, Some("nvidia.com/gpu")))
+            .join(" ")
+            .ends_with("--no-enable-prefix-caching --device cuda --seed 1"));
     }
 
     #[test]

@@ -57,3 +57,11 @@ def test_model_parallelism_above_one_is_refused_at_startup():
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 1
     assert "--tensor-parallel-size 2" in r.stderr and "not built yet" in r.stderr
+
+
+def test_a_gpu_device_is_refused_at_startup_saying_the_engine_computes_on_cpu():
+    r = subprocess.run([BIN, "serve", "--model", MODEL, "--device", "cuda", "--port", str(free_port())],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 1
+    assert "--device cuda" in r.stderr and "computes on CPU only" in r.stderr
+    assert "spec.gpuResource" in r.stderr

@@ -50,6 +50,21 @@ pub struct EngineConfig {
     /// Most requests accepted and not yet started at any instant; a submission beyond it
     /// is refused with [`Error::QueueFull`].
     pub max_waiting_requests: usize,
+    /// Where to compute.
+    pub device: ComputeDevice,
+}
+
+/// Where the engine computes (vLLM's `--device`). Only the CPU is built: asking for a GPU
+/// is refused at startup rather than leaving the GPU idle while looking used.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum ComputeDevice {
+    /// The CPU (the only device there is a backend for).
+    #[default]
+    Auto,
+    /// The CPU.
+    Cpu,
+    /// An NVIDIA GPU: refused, there is no GPU backend.
+    Cuda,
 }
 
 impl Default for EngineConfig {
@@ -66,6 +81,7 @@ impl Default for EngineConfig {
             tensor_parallel_size: 1,
             pipeline_parallel_size: 1,
             max_waiting_requests: 1024,
+            device: ComputeDevice::Auto,
         }
     }
 }
@@ -73,6 +89,16 @@ impl Default for EngineConfig {
 impl EngineConfig {
     /// Checks every setting against the model; returns the longest sequence they allow.
     pub fn validate(&self, model: &ModelConfig) -> Result<usize, ConfigError> {
+        if self.device == ComputeDevice::Cuda {
+            return Err(ConfigError::Unsupported {
+                setting: "device",
+                value: "cuda".into(),
+                reason: "Ferrite's engine computes on CPU only: it has no GPU backend, so the \
+                         GPUs given to it would sit idle. Remove spec.gpuResource (and any GPU \
+                         requests) from the LLMService to run it on CPU"
+                    .into(),
+            });
+        }
         for (setting, v) in [
             ("tensor_parallel_size", self.tensor_parallel_size),
             ("pipeline_parallel_size", self.pipeline_parallel_size),
@@ -218,6 +244,12 @@ impl EngineHandle {
     ) -> Result<Self> {
         let c = model.model.config().clone();
         let max_model_len = config.validate(&c)?;
+        if let Some(gpus) = visible_gpus() {
+            tracing::warn!(
+                "GPUs are visible to this process (NVIDIA_VISIBLE_DEVICES={gpus}) but unused: \
+                 Ferrite's engine computes on CPU"
+            );
+        }
         let kv = config.kv_dtype.resolve(&model.model);
         let plan = plan_cache(&model, &config, kv, max_model_len)?;
         let info = EngineInfo {
@@ -390,6 +422,13 @@ impl EngineHandle {
         };
         Self::spawn(info, |rx, _| body(rx)).expect("the thread starts")
     }
+}
+
+/// The GPUs a container runtime made visible, if any.
+fn visible_gpus() -> Option<String> {
+    std::env::var("NVIDIA_VISIBLE_DEVICES")
+        .ok()
+        .filter(|v| !matches!(v.trim(), "" | "void" | "none"))
 }
 
 /// Sizes the KV cache of `model` under `config` for elements of `kv`, and logs the result.

@@ -1,6 +1,6 @@
-//! Parsing an engine's `/metrics` (Prometheus text format, with the `openmetrics-parser` crate;
-//! `prometheus-parse` was tried first but its name pattern rejects the `:` in vLLM's metric
-//! names) and the TTFT quantile over a time window from differences of histogram snapshots.
+//! Parsing an engine's `/metrics` (Prometheus text format, with the `openmetrics-parser` crate,
+//! whose name pattern accepts the `:` in vLLM's metric names) and the TTFT quantile over a
+//! time window from differences of histogram snapshots.
 
 use std::collections::{BTreeMap, VecDeque};
 

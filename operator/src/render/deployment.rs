@@ -128,7 +128,7 @@ pub fn deployment(
         "--shutdown-timeout".into(),
         cfg.drain_timeout_seconds.to_string(),
     ];
-    args.extend(engine_args(&svc.spec.engine));
+    args.extend(engine_args(&svc.spec));
 
     let pod = svc.spec.pod.clone().unwrap_or_default();
     let env: Vec<EnvVar> = pod.env.clone();

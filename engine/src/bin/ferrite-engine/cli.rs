@@ -4,7 +4,7 @@
 use std::path::PathBuf;
 
 use clap::{Args, Parser, Subcommand, ValueEnum};
-use ferrite_engine::engine::EngineConfig;
+use ferrite_engine::engine::{ComputeDevice, EngineConfig};
 use ferrite_engine::kv::KvDtype;
 use ferrite_engine::sampling::SamplingParams;
 
@@ -116,6 +116,21 @@ pub struct CacheArgs {
     /// KV cache element type: auto (f32 for f32 checkpoints, else f16), f16 or f32.
     #[arg(long, value_enum, default_value_t = KvCacheDtype::Auto)]
     pub kv_cache_dtype: KvCacheDtype,
+    /// Where to compute: the engine runs on CPU; `cuda` is refused (there is no GPU
+    /// backend), so a pod given GPUs fails at startup instead of leaving them idle.
+    #[arg(long, value_enum, default_value_t = Device::Auto)]
+    pub device: Device,
+}
+
+/// `--device`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum Device {
+    /// The CPU.
+    Auto,
+    /// The CPU.
+    Cpu,
+    /// An NVIDIA GPU (refused: no GPU backend is built).
+    Cuda,
 }
 
 /// `--kv-cache-dtype`.
@@ -175,6 +190,11 @@ pub fn engine_config(cache: &CacheArgs, sched: &SchedulerArgs) -> EngineConfig {
         kv_cache_memory: cache.kv_cache_memory,
         enable_prefix_caching: !cache.no_enable_prefix_caching,
         kv_dtype: cache.kv_cache_dtype.into(),
+        device: match cache.device {
+            Device::Auto => ComputeDevice::Auto,
+            Device::Cpu => ComputeDevice::Cpu,
+            Device::Cuda => ComputeDevice::Cuda,
+        },
         tensor_parallel_size: sched.tensor_parallel_size,
         pipeline_parallel_size: sched.pipeline_parallel_size,
         max_waiting_requests: sched.max_waiting_requests,

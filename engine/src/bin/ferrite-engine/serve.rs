@@ -56,7 +56,7 @@ pub fn manifest_args(path: &Path) -> Result<Vec<String>> {
         "--served-model-name".into(),
         served_model_name(&svc),
     ];
-    args.extend(engine_args(&svc.spec.engine));
+    args.extend(engine_args(&svc.spec));
     Ok(args)
 }
 

@@ -9,9 +9,9 @@
 //!   straight from memory with an embedded broadcast. On a CPU that splits 512-bit
 //!   operations in two (Zen 4), 256-bit ones do the same arithmetic in the same time.
 //! - Weight blocks are unpacked once per group of four rows to 32 unsigned bytes each
-//!   ([`WideQuad::fill`]), with no lane shuffles: a third cheaper than the earlier layout
-//!   that paired two activation rows per 512-bit register and so had to double every
-//!   weight group. Activation rows are used as quantized, grouped by four.
+//!   ([`WideQuad::fill`]), with no lane shuffles (pairing two activation rows per 512-bit
+//!   register would double every weight group). Activation rows are used as quantized,
+//!   grouped by four.
 //! - Signed weights (Q4_0, Q8_0) are made unsigned by an offset `k` (8 for the raw nibbles,
 //!   128 for bytes), and each integer dot product starts from minus `k` times its
 //!   activation values' sum, so it ends at the signed sum itself.

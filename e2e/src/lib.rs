@@ -1,5 +1,5 @@
-//! Helpers for the tests that cross Ferrite's crates: where the repository, the default
-//! model and the built `ferrite-engine` binary are.
+//! Helpers every crate's tests share: where the repository, the default model and the
+//! built `ferrite-engine` binary are.
 
 #![forbid(unsafe_code)]
 

@@ -99,7 +99,7 @@ def test_custom_values_render_a_namespaced_operator_with_monitors():
     assert c["image"] == "registry.example.com/ferrite/operator:0.1.0-rc1"
     assert c["imagePullPolicy"] == "Always"
     assert "--namespace=team-a" in c["args"]
-    assert "--engine-image=registry.example.com/ferrite/engine:0.1.0-cuda" in c["args"]
+    assert "--engine-image=registry.example.com/ferrite/engine:0.1.0-custom" in c["args"]
     assert "--drain-timeout-seconds=120" in c["args"]
     assert "--autoscale-interval=10" in c["args"]
     assert {"name": "RUST_LOG", "value": "ferrite_operator=debug"} in c["env"]

@@ -220,32 +220,29 @@ impl Block {
         x: &mut [f32],
     ) -> Result<()> {
         let (h, eps) = (m.config.hidden_size, m.config.rms_norm_eps as f32);
-        let attn = self.attention(
-            m,
-            layer,
-            batch,
-            cache,
-            &rms_norm(x, h, &self.attn_norm, eps),
-        )?;
+        let y = rms_norm(x, h, &self.attn_norm, eps);
+        let attn = self.attention(m, layer, batch, cache, y)?;
         add_into(x, &attn);
         drop(attn);
-        let mlp = self.mlp(m, &rms_norm(x, h, &self.ffn_norm, eps))?;
+        let mlp = self.mlp(m, rms_norm(x, h, &self.ffn_norm, eps))?;
         add_into(x, &mlp);
         Ok(())
     }
 
     /// Causal self-attention of the normed rows `y` through the cache, projected back to
-    /// the hidden size.
+    /// the hidden size. Each intermediate goes back to the pool as soon as it has been read,
+    /// so a long prefill holds no more buffers than the pool keeps.
     fn attention(
         &self,
         m: &Llama,
         layer: usize,
         batch: &Batch<'_>,
         cache: &mut dyn KvCache,
-        y: &[f32],
+        y: Buf,
     ) -> Result<Buf> {
         let c = &m.config;
-        let qkv = self.qkv.forward(y, c.hidden_size, &m.device)?;
+        let qkv = self.qkv.forward(&y, c.hidden_size, &m.device)?;
+        drop(y);
         let [q, k, v] = m.split_qkv(&qkv, batch.positions);
         drop(qkv);
         let attn = cache.attend(layer, batch, &q, &k, &v)?;
@@ -254,9 +251,10 @@ impl Block {
     }
 
     /// `down(silu(gate(y)) * up(y))`.
-    fn mlp(&self, m: &Llama, y: &[f32]) -> Result<Buf> {
+    fn mlp(&self, m: &Llama, y: Buf) -> Result<Buf> {
         let c = &m.config;
-        let gate_up = self.gate_up.forward(y, c.hidden_size, &m.device)?;
+        let gate_up = self.gate_up.forward(&y, c.hidden_size, &m.device)?;
+        drop(y);
         let act = swiglu_rows(&gate_up, c.intermediate_size);
         drop(gate_up);
         self.down.forward(&act, c.intermediate_size, &m.device)

@@ -1,26 +1,9 @@
 //! Helpers shared by the engine's integration tests.
-#![allow(dead_code, missing_docs)]
+#![allow(dead_code, missing_docs, unused_imports)]
 
 use std::path::PathBuf;
 
-/// The default model fetched by `make model` (override with `FERRITE_TEST_MODEL`).
-pub fn default_model() -> PathBuf {
-    let path = match std::env::var_os("FERRITE_TEST_MODEL") {
-        Some(p) => PathBuf::from(p),
-        None => workspace().join("models/SmolLM2-135M-Instruct.Q4_1.gguf"),
-    };
-    assert!(
-        path.is_file(),
-        "{} is missing: run `make model` (make test does)",
-        path.display()
-    );
-    path
-}
-
-/// The repository root.
-pub fn workspace() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..")
-}
+pub use ferrite_e2e::{default_model, workspace};
 
 /// The logits of every token of `ids`, as one sequence's prefill in a fresh cache (of the
 /// element type the model prefers).

@@ -319,17 +319,22 @@ fn tile_avx512<const MINS: bool>(quad: &mut WideQuad, acts: &WideActs, out: &mut
             if MINS {
                 summs = _mm512_fmadd_ps(w.mins.ps(), four_times(&ds[4..]), summs);
             }
-            let x = [w.q[0].si(), w.q[1].si(), w.q[2].si(), w.q[3].si()];
-            for r in 0..4 {
-                let y = group_q[4 * i + r].si();
-                let from = if MINS {
+            let y = [0, 1, 2, 3].map(|r| group_q[4 * i + r].si());
+            let from = [0, 1, 2, 3].map(|r| {
+                if MINS {
                     _mm256_setzero_si256()
                 } else {
                     group_start[4 * i + r].si()
-                };
-                for (k, x) in x.iter().enumerate() {
-                    let sums = _mm256_cvtepi32_ps(_mm256_dpbusd_epi32(from, *x, y));
-                    acc[k][r] = _mm256_fmadd_ps(scales.splat(4 * k + r), sums, acc[k][r]);
+                }
+            });
+            // Weight row by weight row: each row's block meets the four activation rows in
+            // turn (the order the compiler allocates registers best for; every accumulator
+            // sees the same operations in the same block order either way).
+            for (k, row) in acc.iter_mut().enumerate() {
+                let x = w.q[k].si();
+                for (r, cell) in row.iter_mut().enumerate() {
+                    let sums = _mm256_cvtepi32_ps(_mm256_dpbusd_epi32(from[r], x, y[r]));
+                    *cell = _mm256_fmadd_ps(scales.splat(4 * k + r), sums, *cell);
                 }
             }
         }

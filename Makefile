@@ -49,6 +49,10 @@ test: model pyenv k8s
 	FERRITE_PYTHON="$$(scripts/python-env.sh)" FERRITE_K8S_DIR="$$(scripts/build-k8s.sh --print-dir)" \
 	  $(CARGO) test --workspace --all-targets
 	$(CARGO) test --workspace --doc
+	# llama.cpp parity again on each lower instruction-set tier: every tier computes the same.
+	for tier in portable avx2; do \
+	  FERRITE_CPU_TIER=$$tier $(CARGO) test --quiet -p ferrite-engine --test llamacpp_parity; \
+	done
 	FERRITE_BIN=$(CURDIR)/target/debug/ferrite-engine "$$(scripts/python-env.sh)" -m pytest -q tests/api tests/chart
 
 fmt:

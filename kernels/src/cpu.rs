@@ -16,10 +16,41 @@ pub struct Features {
     avx512_vnni: Option<Avx512Vnni>,
 }
 
-/// The CPU's tiers, checked at the first call and remembered.
+/// The environment variable that caps the tiers used (`portable`, `avx2`, `avx512` or
+/// `avx512-vnni`): to measure or test a lower tier on a CPU that has higher ones.
+pub const TIER_CAP_VAR: &str = "FERRITE_CPU_TIER";
+
+/// The tiers each name of [`TIER_CAP_VAR`] allows, lowest first.
+const TIER_NAMES: [&str; 4] = ["portable", "avx2", "avx512", "avx512-vnni"];
+
+/// The CPU's tiers, checked at the first call and remembered, capped by
+/// [`TIER_CAP_VAR`] when it names a tier.
 pub fn detect() -> Features {
     static FEATURES: OnceLock<Features> = OnceLock::new();
-    *FEATURES.get_or_init(Features::probe)
+    *FEATURES.get_or_init(|| {
+        let cap = std::env::var(TIER_CAP_VAR).ok();
+        let tiers = cap
+            .as_deref()
+            .and_then(tiers_up_to)
+            .unwrap_or(TIER_NAMES.len());
+        Features::probe().capped(tiers)
+    })
+}
+
+/// How many tiers, from `portable` up, the name `cap` allows (`avx2`: 2).
+fn tiers_up_to(cap: &str) -> Option<usize> {
+    TIER_NAMES.iter().position(|&t| t == cap).map(|i| i + 1)
+}
+
+/// A [`TIER_CAP_VAR`] that names no tier, described for a startup error.
+pub fn tier_cap_error() -> Option<String> {
+    let cap = std::env::var(TIER_CAP_VAR).ok()?;
+    (!TIER_NAMES.contains(&cap.as_str())).then(|| {
+        format!(
+            "{TIER_CAP_VAR}={cap:?} names no instruction-set tier; use one of {}",
+            TIER_NAMES.join(", ")
+        )
+    })
 }
 
 impl Features {
@@ -43,6 +74,27 @@ impl Features {
     #[cfg(not(target_arch = "x86_64"))]
     fn probe() -> Self {
         Features {}
+    }
+
+    /// These tiers without those above the `tiers`-th of [`TIER_NAMES`] (0: portable only).
+    fn capped(self, tiers: usize) -> Self {
+        let _ = tiers;
+        #[cfg(target_arch = "x86_64")]
+        {
+            let mut f = self;
+            if tiers < 2 {
+                f.avx2 = None;
+            }
+            if tiers < 3 {
+                f.avx512 = None;
+            }
+            if tiers < 4 {
+                f.avx512_vnni = None;
+            }
+            f
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        self
     }
 
     /// AVX2 with FMA and F16C (x86-64-v3), if present.
@@ -134,5 +186,28 @@ mod tests {
             );
         }
         eprintln!("kernel tiers this CPU runs: {}", tiers.join(", "));
+    }
+
+    #[test]
+    fn a_cap_drops_every_tier_above_it() {
+        let all = Features::probe();
+        assert_eq!(all.capped(1).tiers(), ["portable"]);
+        #[cfg(target_arch = "x86_64")]
+        {
+            let avx2 = all.capped(2);
+            assert!(avx2.avx512().is_none() && avx2.avx512_vnni().is_none());
+            assert_eq!(avx2.avx2(), all.avx2());
+        }
+        assert_eq!(all.capped(TIER_NAMES.len()), all);
+        // A name allows its own tier and those below it.
+        assert_eq!(tiers_up_to("portable"), Some(1));
+        assert_eq!(tiers_up_to("avx2"), Some(2));
+        assert_eq!(tiers_up_to("avx512-vnni"), Some(4));
+        assert_eq!(tiers_up_to("sse9"), None);
+        #[cfg(target_arch = "x86_64")]
+        if all.avx2().is_some() {
+            let capped = all.capped(2);
+            assert_eq!(capped.tiers(), ["portable", "avx2"]);
+        }
     }
 }

@@ -244,6 +244,17 @@ impl EngineHandle {
     ) -> Result<Self> {
         let c = model.model.config().clone();
         let max_model_len = config.validate(&c)?;
+        if let Some(message) = ferrite_kernels::cpu::tier_cap_error() {
+            return Err(ConfigError::Input {
+                what: ferrite_kernels::cpu::TIER_CAP_VAR.into(),
+                message,
+            }
+            .into());
+        }
+        tracing::info!(
+            "kernel tiers: {}",
+            ferrite_kernels::cpu::detect().tiers().join(", ")
+        );
         if let Some(gpus) = visible_gpus() {
             tracing::warn!(
                 "GPUs are visible to this process (NVIDIA_VISIBLE_DEVICES={gpus}) but unused: \

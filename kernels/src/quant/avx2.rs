@@ -234,6 +234,51 @@ fn tile_avx2(u: &Unpacked, a: &QuantizedRow) -> [f32; 4] {
     [0, 1, 2, 3].map(|r| hsum8(lanes(acc[r])) + if u.signed { 0.0 } else { summs[r] })
 }
 
+/// [`tile_avx2`] for two activation rows at once: each weight block is loaded, and for
+/// signed formats made absolute, once for both rows, and the four weight rows × two
+/// activation rows keep eight accumulators in registers. Every output's arithmetic is
+/// [`tile_avx2`]'s (the same lanes, scale products and fused multiply-adds, block by block).
+#[target_feature(enable = "avx2,fma")]
+fn tile_pair_avx2(u: &Unpacked, a: [&QuantizedRow; 2]) -> [[f32; 4]; 2] {
+    let mut acc = [[_mm256_setzero_ps(); 2]; 4];
+    let mut summs = [_mm_setzero_ps(); 2];
+    for i in 0..a[0].d.len() {
+        let qy = [activation(a[0], i), activation(a[1], i)];
+        for (k, acc) in acc.iter_mut().enumerate() {
+            let at = i * 4 + k;
+            // SAFETY: each unpacked block is exactly 32 bytes; loadu is unaligned.
+            let qx = unsafe { _mm256_loadu_si256(u.q[at].as_ptr().cast()) };
+            let ax = if u.signed {
+                _mm256_sign_epi8(qx, qx)
+            } else {
+                qx
+            };
+            for (r, acc) in acc.iter_mut().enumerate() {
+                let sy = if u.signed {
+                    _mm256_sign_epi8(qy[r], qx)
+                } else {
+                    qy[r]
+                };
+                let scale = _mm256_set1_ps(u.d[at] * a[r].d[i]);
+                *acc = _mm256_fmadd_ps(scale, lane_sums(ax, sy), *acc);
+            }
+        }
+        if !u.signed {
+            // SAFETY: block `i` has four minimums, one per weight row; loadu is unaligned.
+            let m = unsafe { _mm_loadu_ps(u.m[i * 4..i * 4 + 4].as_ptr()) };
+            for (r, summs) in summs.iter_mut().enumerate() {
+                *summs = _mm_fmadd_ps(m, _mm_set1_ps(a[r].s[i]), *summs);
+            }
+        }
+    }
+    [0, 1].map(|r| {
+        let mut m = [0f32; 4];
+        // SAFETY: `m` holds exactly four f32; storeu is unaligned.
+        unsafe { _mm_storeu_ps(m.as_mut_ptr(), summs[r]) };
+        [0, 1, 2, 3].map(|k| hsum8(lanes(acc[k][r])) + if u.signed { 0.0 } else { m[k] })
+    })
+}
+
 /// The dot product for `format`.
 pub(super) fn dot(cpu: Avx2, format: WeightFormat) -> Dot {
     let _ = cpu;
@@ -264,8 +309,14 @@ pub(super) fn tile(cpu: Avx2) -> Tile {
 // `Avx2` token: each runs only where AVX2 and FMA were detected.
 
 fn tile_rows(u: &Unpacked, a: &[QuantizedRow], out: &mut [[f32; 4]]) {
-    for (a, out) in a.iter().zip(out) {
+    let pairs = a.len() / 2 * 2;
+    for (a, out) in a[..pairs].chunks_exact(2).zip(out.chunks_exact_mut(2)) {
         // SAFETY: handed out by `tile`, which takes the AVX2 token.
+        let [o0, o1] = unsafe { tile_pair_avx2(u, [&a[0], &a[1]]) };
+        (out[0], out[1]) = (o0, o1);
+    }
+    for (a, out) in a[pairs..].iter().zip(&mut out[pairs..]) {
+        // SAFETY: as above.
         *out = unsafe { tile_avx2(u, a) };
     }
 }

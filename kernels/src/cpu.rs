@@ -77,7 +77,7 @@ impl Features {
     }
 
     /// These tiers without those above the `tiers`-th of [`TIER_NAMES`] (0: portable only).
-    fn capped(self, tiers: usize) -> Self {
+    pub(crate) fn capped(self, tiers: usize) -> Self {
         let _ = tiers;
         #[cfg(target_arch = "x86_64")]
         {

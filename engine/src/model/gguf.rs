@@ -9,7 +9,7 @@ use candle_core::{DType, Device, Tensor};
 
 use super::weights::{Matmul, WeightName, WeightSource};
 use crate::error::{Error, Result};
-use ferrite_kernels::quant::{QuantMatrix, WeightFormat};
+use ferrite_kernels::quant::{KFormat, QuantMatrix, WeightFormat};
 
 /// Tensor types the loader accepts, as named in error messages.
 pub const SUPPORTED_TYPES: &str =
@@ -119,6 +119,11 @@ impl WeightSource for GgufFile {
             GgmlDType::Q4_0 => Some(WeightFormat::Q4_0),
             GgmlDType::Q4_1 => Some(WeightFormat::Q4_1),
             GgmlDType::Q8_0 => Some(WeightFormat::Q8_0),
+            GgmlDType::Q2K => Some(WeightFormat::K(KFormat::Q2K)),
+            GgmlDType::Q3K => Some(WeightFormat::K(KFormat::Q3K)),
+            GgmlDType::Q4K => Some(WeightFormat::K(KFormat::Q4K)),
+            GgmlDType::Q5K => Some(WeightFormat::K(KFormat::Q5K)),
+            GgmlDType::Q6K => Some(WeightFormat::K(KFormat::Q6K)),
             _ => None,
         };
         if let Some(format) = format {

@@ -5,12 +5,12 @@
 use std::arch::x86_64::*;
 
 use super::portable::hsum8;
-use super::{f16_at, Dot, Dot4, QuantizedRow, Tile, Unpacked, WeightFormat, BLOCK};
+use super::{f16_at, BlockFormat, Dot, Dot4, QuantizedRow, Tile, Unpacked, BLOCK};
 use crate::cpu::Avx2;
 
-const Q4_0: usize = WeightFormat::Q4_0.block_bytes();
-const Q4_1: usize = WeightFormat::Q4_1.block_bytes();
-const Q8_0: usize = WeightFormat::Q8_0.block_bytes();
+const Q4_0: usize = BlockFormat::Q4_0.block_bytes();
+const Q4_1: usize = BlockFormat::Q4_1.block_bytes();
+const Q8_0: usize = BlockFormat::Q8_0.block_bytes();
 
 /// Eight f32 lanes of a vector.
 #[inline(always)]
@@ -280,22 +280,22 @@ fn tile_pair_avx2(u: &Unpacked, a: [&QuantizedRow; 2]) -> [[f32; 4]; 2] {
 }
 
 /// The dot product for `format`.
-pub(super) fn dot(cpu: Avx2, format: WeightFormat) -> Dot {
+pub(super) fn dot(cpu: Avx2, format: BlockFormat) -> Dot {
     let _ = cpu;
     match format {
-        WeightFormat::Q4_1 => dot_q4_1,
-        WeightFormat::Q4_0 => dot_q4_0,
-        WeightFormat::Q8_0 => dot_q8_0,
+        BlockFormat::Q4_1 => dot_q4_1,
+        BlockFormat::Q4_0 => dot_q4_0,
+        BlockFormat::Q8_0 => dot_q8_0,
     }
 }
 
 /// Four rows' dot products side by side for `format`.
-pub(super) fn dot4(cpu: Avx2, format: WeightFormat) -> Dot4 {
+pub(super) fn dot4(cpu: Avx2, format: BlockFormat) -> Dot4 {
     let _ = cpu;
     match format {
-        WeightFormat::Q4_1 => dot4_q4_1,
-        WeightFormat::Q4_0 => dot4_q4_0,
-        WeightFormat::Q8_0 => dot4_q8_0,
+        BlockFormat::Q4_1 => dot4_q4_1,
+        BlockFormat::Q4_0 => dot4_q4_0,
+        BlockFormat::Q8_0 => dot4_q8_0,
     }
 }
 

@@ -31,6 +31,7 @@ mod avx2;
 #[cfg(target_arch = "x86_64")]
 #[allow(unsafe_code)]
 mod avx512;
+pub mod kquant;
 pub(crate) mod portable;
 #[cfg(target_arch = "x86_64")]
 #[allow(unsafe_code)]
@@ -38,14 +39,68 @@ mod sse2;
 #[cfg(test)]
 mod tests;
 
+pub use kquant::KFormat;
 use portable::{dot_q4_0, dot_q4_1, dot_q8_0, nibbles, quantize_block, tile_portable};
 
-/// Values per quantization block in every format here.
+/// Values per quantization block of the 32-value formats.
 pub const BLOCK: usize = 32;
 
 /// Weight formats with a kernel of our own.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum WeightFormat {
+    /// 4-bit values with one f16 scale per block of 32, offset by 8.
+    Q4_0,
+    /// 4-bit values with an f16 scale and minimum per block of 32.
+    Q4_1,
+    /// 8-bit values with one f16 scale per block of 32.
+    Q8_0,
+    /// A K-quant: 256-value super-blocks of scaled sub-blocks.
+    K(KFormat),
+}
+
+impl From<BlockFormat> for WeightFormat {
+    fn from(f: BlockFormat) -> Self {
+        match f {
+            BlockFormat::Q4_0 => WeightFormat::Q4_0,
+            BlockFormat::Q4_1 => WeightFormat::Q4_1,
+            BlockFormat::Q8_0 => WeightFormat::Q8_0,
+        }
+    }
+}
+
+impl WeightFormat {
+    /// Values per block.
+    pub const fn block_values(self) -> usize {
+        match self {
+            WeightFormat::K(_) => kquant::QK_K,
+            _ => BLOCK,
+        }
+    }
+
+    /// Bytes of one block in GGUF.
+    pub const fn block_bytes(self) -> usize {
+        match self {
+            WeightFormat::Q4_0 => BlockFormat::Q4_0.block_bytes(),
+            WeightFormat::Q4_1 => BlockFormat::Q4_1.block_bytes(),
+            WeightFormat::Q8_0 => BlockFormat::Q8_0.block_bytes(),
+            WeightFormat::K(k) => k.block_bytes(),
+        }
+    }
+
+    /// The 32-value format this is, if it is one.
+    fn small(self) -> Option<BlockFormat> {
+        match self {
+            WeightFormat::Q4_0 => Some(BlockFormat::Q4_0),
+            WeightFormat::Q4_1 => Some(BlockFormat::Q4_1),
+            WeightFormat::Q8_0 => Some(BlockFormat::Q8_0),
+            WeightFormat::K(_) => None,
+        }
+    }
+}
+
+/// The 32-value formats, which the tiles and wide kernels run.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum BlockFormat {
     /// 4-bit values with one f16 scale per block, offset by 8.
     Q4_0,
     /// 4-bit values with an f16 scale and an f16 minimum per block.
@@ -54,14 +109,14 @@ pub enum WeightFormat {
     Q8_0,
 }
 
-impl WeightFormat {
+impl BlockFormat {
     /// Bytes of one 32-value block in GGUF: the scale (and, for Q4_1, the minimum) as f16,
     /// then the values.
     pub const fn block_bytes(self) -> usize {
         match self {
-            WeightFormat::Q4_0 => 18,
-            WeightFormat::Q4_1 => 20,
-            WeightFormat::Q8_0 => 34,
+            BlockFormat::Q4_0 => 18,
+            BlockFormat::Q4_1 => 20,
+            BlockFormat::Q8_0 => 34,
         }
     }
 }
@@ -144,7 +199,10 @@ const WEIGHT_PARALLEL_MAX_ROWS: usize = 32;
 impl QuantMatrix {
     /// Wraps GGUF block data of a `[rows, cols]` matrix; `None` if the sizes disagree.
     pub fn from_gguf(format: WeightFormat, rows: usize, cols: usize, data: &[u8]) -> Option<Self> {
-        if !cols.is_multiple_of(BLOCK) || data.len() != rows * cols / BLOCK * format.block_bytes() {
+        let per_block = format.block_values();
+        if !cols.is_multiple_of(per_block)
+            || data.len() != rows * cols / per_block * format.block_bytes()
+        {
             return None;
         }
         Some(QuantMatrix {
@@ -194,13 +252,19 @@ impl QuantMatrix {
     /// product rounded before the minimum is added): an embedding lookup.
     pub fn dequantize_row(&self, r: usize, out: &mut [f32]) {
         let row = self.weight_row(r);
-        let stride = self.format.block_bytes();
+        let Some(format) = self.format.small() else {
+            if let WeightFormat::K(k) = self.format {
+                kquant::dequantize_row(k, row, out);
+            }
+            return;
+        };
+        let stride = format.block_bytes();
         for (b, y) in row.chunks_exact(stride).zip(out.chunks_exact_mut(BLOCK)) {
             let d = f16_at(b, 0);
-            let (q, m) = match self.format {
-                WeightFormat::Q8_0 => (std::array::from_fn(|j| b[2 + j] as i8), None),
-                WeightFormat::Q4_0 => (nibbles(&b[2..], 8), None),
-                WeightFormat::Q4_1 => (nibbles(&b[4..], 0), Some(f16_at(b, 2))),
+            let (q, m) = match format {
+                BlockFormat::Q8_0 => (std::array::from_fn(|j| b[2 + j] as i8), None),
+                BlockFormat::Q4_0 => (nibbles(&b[2..], 8), None),
+                BlockFormat::Q4_1 => (nibbles(&b[4..], 0), Some(f16_at(b, 2))),
             };
             for (y, q) in y.iter_mut().zip(q) {
                 // The product is rounded before the minimum is added (and a zero keeps its
@@ -223,6 +287,11 @@ impl QuantMatrix {
         self.cols
     }
 
+    /// The weight's format.
+    pub fn format(&self) -> WeightFormat {
+        self.format
+    }
+
     /// Bytes the weight occupies (what one pass streams from memory).
     pub fn gguf_bytes(&self) -> usize {
         self.data.len()
@@ -236,15 +305,91 @@ impl QuantMatrix {
     /// changes a result.
     pub fn matmul(&self, x: &[f32]) -> Buf {
         let m = x.len() / self.cols;
-        if m <= WEIGHT_PARALLEL_MAX_ROWS {
-            self.matmat_by_weight_rows(x, m)
-        } else {
-            self.matmat_by_activation_rows(x, m)
+        match self.format {
+            WeightFormat::K(k) => self.matmul_k(k, x, m),
+            _ => {
+                let f = self.format.small().unwrap_or(BlockFormat::Q8_0);
+                if m <= WEIGHT_PARALLEL_MAX_ROWS {
+                    self.matmat_by_weight_rows(f, x, m)
+                } else {
+                    self.matmat_by_activation_rows(f, x, m)
+                }
+            }
         }
     }
 
+    /// The product for a K-quant: the activation rows quantized to Q8_K once, then every
+    /// (weight row, activation row) dot product, the weight rows split among the threads
+    /// (each streamed once for all activation rows) or, for long prefills, the activation
+    /// rows. The split never changes a result.
+    fn matmul_k(&self, k: KFormat, x: &[f32], m: usize) -> Buf {
+        let dot = kquant_dot(cpu::detect(), k);
+        let mut out = Buf::take(m * self.rows);
+        if m <= WEIGHT_PARALLEL_MAX_ROWS {
+            let acts: Vec<kquant::Q8KRow> = x
+                .chunks_exact(self.cols)
+                .map(kquant::quantize_row_q8k)
+                .collect();
+            let per_task = ROWS_PER_TASK.max(
+                self.rows
+                    .div_ceil(rayon::current_num_threads() * TASKS_PER_THREAD)
+                    .next_multiple_of(4),
+            );
+            let mut pieces: Vec<&mut [f32]> = std::iter::repeat_with(Default::default)
+                .take(self.rows.div_ceil(per_task) * m)
+                .collect();
+            for (i, row) in out.chunks_mut(self.rows).enumerate() {
+                for (t, piece) in row.chunks_mut(per_task).enumerate() {
+                    pieces[t * m + i] = piece;
+                }
+            }
+            pieces
+                .par_chunks_mut(m)
+                .enumerate()
+                .for_each(|(task, dst)| {
+                    let first = task * per_task;
+                    let n = dst[0].len();
+                    self.prefetch_rows(first, first + 4 * PREFETCH_QUADS, first + n);
+                    for r in 0..n {
+                        let at = first + r;
+                        self.prefetch_rows(
+                            at + 4 * PREFETCH_QUADS,
+                            at + 4 * PREFETCH_QUADS + 1,
+                            first + n,
+                        );
+                        let w = self.weight_row(at);
+                        for (d, a) in dst.iter_mut().zip(&acts) {
+                            d[r] = dot(w, a);
+                        }
+                    }
+                });
+        } else {
+            let (fewest, most) = ACT_ROWS_PER_TASK;
+            let fit = (TASK_OUTPUT_BYTES / (self.rows * 4).max(1)).clamp(fewest, most);
+            let per_task = fit.min(m.div_ceil(rayon::current_num_threads()).max(1));
+            out.par_chunks_mut(per_task * self.rows)
+                .enumerate()
+                .for_each(|(task, dst)| {
+                    let first = task * per_task;
+                    let rows = dst.len() / self.rows;
+                    let acts: Vec<kquant::Q8KRow> = x
+                        [first * self.cols..(first + rows) * self.cols]
+                        .chunks_exact(self.cols)
+                        .map(kquant::quantize_row_q8k)
+                        .collect();
+                    for r in 0..self.rows {
+                        let w = self.weight_row(r);
+                        for (i, a) in acts.iter().enumerate() {
+                            dst[i * self.rows + r] = dot(w, a);
+                        }
+                    }
+                });
+        }
+        out
+    }
+
     fn row_bytes(&self) -> usize {
-        self.cols / BLOCK * self.format.block_bytes()
+        self.cols / self.format.block_values() * self.format.block_bytes()
     }
 
     /// Prefetches weight rows `from..to` (clamped to `end`; none if empty).
@@ -273,17 +418,17 @@ impl QuantMatrix {
     }
 
     /// The activation rows quantized as the weight format's dot product wants them.
-    fn quantize(&self, x: &[f32]) -> Vec<QuantizedRow> {
-        let with_sums = self.format == WeightFormat::Q4_1;
+    fn quantize(&self, f: BlockFormat, x: &[f32]) -> Vec<QuantizedRow> {
+        let with_sums = f == BlockFormat::Q4_1;
         x.chunks_exact(self.cols)
             .map(|row| quantize_row(row, with_sums))
             .collect()
     }
 
-    fn matmat_by_weight_rows(&self, x: &[f32], m: usize) -> Buf {
-        let dot = dot_kernel(cpu::detect(), self.format);
-        let acts = self.quantize(x);
-        let plan = Plan::new(self.format, &acts);
+    fn matmat_by_weight_rows(&self, f: BlockFormat, x: &[f32], m: usize) -> Buf {
+        let dot = dot_kernel(cpu::detect(), f);
+        let acts = self.quantize(f, x);
+        let plan = Plan::new(f, &acts);
         // Each task owns a range of weight rows: its piece of every output row.
         let per_task = ROWS_PER_TASK.max(
             self.rows
@@ -310,7 +455,7 @@ impl QuantMatrix {
                 for row in self.quads(first, first + quads) {
                     let r = row - first;
                     let w = [0, 1, 2, 3].map(|j| self.weight_row(row + j));
-                    plan.quad(self.format, scratch, w, tiles);
+                    plan.quad(f, scratch, w, tiles);
                     for (d, v) in dst.iter_mut().zip(tiles.iter()) {
                         d[r..r + 4].copy_from_slice(v);
                     }
@@ -326,8 +471,8 @@ impl QuantMatrix {
         out
     }
 
-    fn matmat_by_activation_rows(&self, x: &[f32], m: usize) -> Buf {
-        let dot = dot_kernel(cpu::detect(), self.format);
+    fn matmat_by_activation_rows(&self, f: BlockFormat, x: &[f32], m: usize) -> Buf {
+        let dot = dot_kernel(cpu::detect(), f);
         let mut out = Buf::take(m * self.rows);
         let (fewest, most) = ACT_ROWS_PER_TASK;
         let fit = (TASK_OUTPUT_BYTES / (self.rows * 4).max(1)).clamp(fewest, most) / 4 * 4;
@@ -337,13 +482,13 @@ impl QuantMatrix {
             .for_each_init(Scratch::default, |scratch, (task, dst)| {
                 let first = task * per_task;
                 let rows = dst.len() / self.rows;
-                let acts = self.quantize(&x[first * self.cols..(first + rows) * self.cols]);
-                let plan = Plan::new(self.format, &acts);
+                let acts = self.quantize(f, &x[first * self.cols..(first + rows) * self.cols]);
+                let plan = Plan::new(f, &acts);
                 let quads = self.rows / 4 * 4;
                 let mut tiles = vec![[0f32; 4]; rows];
                 for r in self.quads(0, quads) {
                     let w = [0, 1, 2, 3].map(|j| self.weight_row(r + j));
-                    plan.quad(self.format, scratch, w, &mut tiles);
+                    plan.quad(f, scratch, w, &mut tiles);
                     for (i, v) in tiles.iter().enumerate() {
                         let at = i * self.rows + r;
                         dst[at..at + 4].copy_from_slice(v);
@@ -375,7 +520,7 @@ enum Plan<'a> {
 
 impl<'a> Plan<'a> {
     /// The fastest way this CPU has for `acts` against weights of `format`.
-    fn new(format: WeightFormat, acts: &'a [QuantizedRow]) -> Self {
+    fn new(format: BlockFormat, acts: &'a [QuantizedRow]) -> Self {
         let features = cpu::detect();
         #[cfg(target_arch = "x86_64")]
         if let Some(cpu) = features.avx512_vnni() {
@@ -394,7 +539,7 @@ impl<'a> Plan<'a> {
     /// `out[i]`: the four weight rows `w` against activation row `i`.
     fn quad(
         &self,
-        format: WeightFormat,
+        format: BlockFormat,
         scratch: &mut Scratch,
         w: [&[u8]; 4],
         out: &mut [[f32; 4]],
@@ -439,10 +584,10 @@ pub struct Unpacked {
 
 impl Unpacked {
     /// Unpacks four weight rows into this buffer, reusing its memory.
-    fn fill(&mut self, format: WeightFormat, rows: [&[u8]; 4]) {
+    fn fill(&mut self, format: BlockFormat, rows: [&[u8]; 4]) {
         let stride = format.block_bytes();
         let nb = rows[0].len() / stride;
-        self.signed = format != WeightFormat::Q4_1;
+        self.signed = format != BlockFormat::Q4_1;
         self.q.resize(nb * 4, [0; BLOCK]);
         self.d.resize(nb * 4, 0.0);
         self.m.resize(nb * 4, 0.0);
@@ -458,15 +603,15 @@ impl Unpacked {
                 let b = &rows[r][at..at + stride];
                 d[r] = f16_at(b, 0);
                 match format {
-                    WeightFormat::Q4_1 => {
+                    BlockFormat::Q4_1 => {
                         m[r] = f16_at(b, 2);
                         unpack_nibbles(&b[4..20], 0, &mut q[r]);
                     }
-                    WeightFormat::Q4_0 => {
+                    BlockFormat::Q4_0 => {
                         m[r] = 0.0;
                         unpack_nibbles(&b[2..18], 8, &mut q[r]);
                     }
-                    WeightFormat::Q8_0 => {
+                    BlockFormat::Q8_0 => {
                         m[r] = 0.0;
                         for (dst, &src) in q[r].iter_mut().zip(&b[2..34]) {
                             *dst = src as i8;
@@ -517,31 +662,41 @@ type Dot4 = fn([&[u8]; 4], &QuantizedRow) -> [f32; 4];
 type Dot = fn(&[u8], &QuantizedRow) -> f32;
 
 /// [`Dot4`] for `format` on the best tier `features` has.
-fn dot4_kernel(features: cpu::Features, format: WeightFormat) -> Dot4 {
+fn dot4_kernel(features: cpu::Features, format: BlockFormat) -> Dot4 {
     #[cfg(target_arch = "x86_64")]
     if let Some(cpu) = features.avx2() {
         return avx2::dot4(cpu, format);
     }
     let _ = features;
     match format {
-        WeightFormat::Q4_1 => |w, a| w.map(|w| dot_q4_1(w, a)),
-        WeightFormat::Q4_0 => |w, a| w.map(|w| dot_q4_0(w, a)),
-        WeightFormat::Q8_0 => |w, a| w.map(|w| dot_q8_0(w, a)),
+        BlockFormat::Q4_1 => |w, a| w.map(|w| dot_q4_1(w, a)),
+        BlockFormat::Q4_0 => |w, a| w.map(|w| dot_q4_0(w, a)),
+        BlockFormat::Q8_0 => |w, a| w.map(|w| dot_q8_0(w, a)),
     }
+}
+
+/// The K-quant dot product for `format` on the best tier `features` has.
+fn kquant_dot(features: cpu::Features, format: KFormat) -> fn(&[u8], &kquant::Q8KRow) -> f32 {
+    #[cfg(target_arch = "x86_64")]
+    if let Some(cpu) = features.avx2() {
+        return kquant::avx2::dot(cpu, format);
+    }
+    let _ = features;
+    kquant::dot(format)
 }
 
 /// The dot product for `format` on the best tier `features` has; every tier computes the
 /// same lanes in the same order, so results do not depend on the machine.
-fn dot_kernel(features: cpu::Features, format: WeightFormat) -> Dot {
+fn dot_kernel(features: cpu::Features, format: BlockFormat) -> Dot {
     #[cfg(target_arch = "x86_64")]
     if let Some(cpu) = features.avx2() {
         return avx2::dot(cpu, format);
     }
     let _ = features;
     match format {
-        WeightFormat::Q4_1 => dot_q4_1,
-        WeightFormat::Q4_0 => dot_q4_0,
-        WeightFormat::Q8_0 => dot_q8_0,
+        BlockFormat::Q4_1 => dot_q4_1,
+        BlockFormat::Q4_0 => dot_q4_0,
+        BlockFormat::Q8_0 => dot_q8_0,
     }
 }
 

@@ -1,11 +1,11 @@
 //! The portable arithmetic of the quantized products: ggml's x86 code written one value
 //! at a time. Every vector tier must equal it bit for bit, and the tests hold them to it.
 
-use super::{f16_at, QuantizedRow, Unpacked, WeightFormat, BLOCK};
+use super::{f16_at, BlockFormat, QuantizedRow, Unpacked, BLOCK};
 
-const Q4_0: usize = WeightFormat::Q4_0.block_bytes();
-const Q4_1: usize = WeightFormat::Q4_1.block_bytes();
-const Q8_0: usize = WeightFormat::Q8_0.block_bytes();
+const Q4_0: usize = BlockFormat::Q4_0.block_bytes();
+const Q4_1: usize = BlockFormat::Q4_1.block_bytes();
+const Q8_0: usize = BlockFormat::Q8_0.block_bytes();
 
 /// One block of [`quantize_row`]: writes the 32 bytes and returns the scale (before f16
 /// rounding) and the sum of the bytes.

@@ -34,8 +34,8 @@ fn q4_1_matmul_approximates_the_float_product_and_is_batch_invariant() {
                 .collect()
         })
         .collect();
-    let mat =
-        QuantMatrix::from_gguf(WeightFormat::Q4_1, rows, cols, &encode_q4_1(&w)).expect("sizes");
+    let mat = QuantMatrix::from_gguf(BlockFormat::Q4_1.into(), rows, cols, &encode_q4_1(&w))
+        .expect("sizes");
     let x: Vec<f32> = (0..3 * cols)
         .map(|i| ((i * 13) % 17) as f32 / 17.0 - 0.4)
         .collect();
@@ -65,8 +65,8 @@ fn both_batch_splits_give_each_row_exactly_its_single_row_result() {
                 .collect()
         })
         .collect();
-    let mat =
-        QuantMatrix::from_gguf(WeightFormat::Q4_1, rows, cols, &encode_q4_1(&w)).expect("sizes");
+    let mat = QuantMatrix::from_gguf(BlockFormat::Q4_1.into(), rows, cols, &encode_q4_1(&w))
+        .expect("sizes");
     // Batches on either side of WEIGHT_PARALLEL_MAX_ROWS.
     for m in [
         2,
@@ -107,12 +107,12 @@ fn every_kernel_matches_the_portable_code_bit_for_bit() {
     let nb = 6;
     let bytes: Vec<u8> = (0..64 * nb).map(|i| (i * 131 % 251) as u8).collect();
     // Scales must be finite f16 values: write them explicitly.
-    let block = |fmt: WeightFormat| {
+    let block = |fmt: BlockFormat| {
         let mut out = Vec::new();
         for (i, chunk) in bytes.chunks(fmt.block_bytes()).take(nb).enumerate() {
             let mut b = chunk.to_vec();
             b[..2].copy_from_slice(&f16::from_f32(0.01 + i as f32 * 0.003).to_le_bytes());
-            if fmt == WeightFormat::Q4_1 {
+            if fmt == BlockFormat::Q4_1 {
                 b[2..4].copy_from_slice(&f16::from_f32(-0.05 * i as f32).to_le_bytes());
             }
             out.extend(b);
@@ -122,13 +122,13 @@ fn every_kernel_matches_the_portable_code_bit_for_bit() {
     let x: Vec<f32> = (0..BLOCK * nb)
         .map(|i| ((i * 37 % 101) as f32 - 50.0) * 0.013)
         .collect();
-    for fmt in [WeightFormat::Q4_0, WeightFormat::Q4_1, WeightFormat::Q8_0] {
+    for fmt in [BlockFormat::Q4_0, BlockFormat::Q4_1, BlockFormat::Q8_0] {
         let w = block(fmt);
-        let a = quantize_row(&x, fmt == WeightFormat::Q4_1);
+        let a = quantize_row(&x, fmt == BlockFormat::Q4_1);
         let portable = match fmt {
-            WeightFormat::Q4_1 => dot_q4_1(&w, &a),
-            WeightFormat::Q4_0 => dot_q4_0(&w, &a),
-            WeightFormat::Q8_0 => dot_q8_0(&w, &a),
+            BlockFormat::Q4_1 => dot_q4_1(&w, &a),
+            BlockFormat::Q4_0 => dot_q4_0(&w, &a),
+            BlockFormat::Q8_0 => dot_q8_0(&w, &a),
         };
         let bits = |v: f32| v.to_bits();
         let features = cpu::detect();
@@ -217,8 +217,8 @@ fn vector_activation_quantization_matches_the_scalar_code() {
 
 #[test]
 fn mismatched_sizes_are_refused() {
-    assert!(QuantMatrix::from_gguf(WeightFormat::Q8_0, 2, 32, &[0u8; 10]).is_none());
-    assert!(QuantMatrix::from_gguf(WeightFormat::Q8_0, 2, 30, &[0u8; 68]).is_none());
+    assert!(QuantMatrix::from_gguf(BlockFormat::Q8_0.into(), 2, 32, &[0u8; 10]).is_none());
+    assert!(QuantMatrix::from_gguf(BlockFormat::Q8_0.into(), 2, 30, &[0u8; 68]).is_none());
 }
 
 #[test]
@@ -232,7 +232,7 @@ fn a_stacked_matrix_gives_each_part_exactly_its_own_rows() {
                     .collect()
             })
             .collect();
-        QuantMatrix::from_gguf(WeightFormat::Q4_1, rows, 64, &encode_q4_1(&w)).expect("sizes")
+        QuantMatrix::from_gguf(BlockFormat::Q4_1.into(), rows, 64, &encode_q4_1(&w)).expect("sizes")
     };
     let parts = [part(9, 1), part(6, 2), part(3, 3)];
     let stacked = QuantMatrix::stack(&parts.iter().collect::<Vec<_>>()).expect("same format");
@@ -252,7 +252,7 @@ fn a_stacked_matrix_gives_each_part_exactly_its_own_rows() {
             offset += p.rows();
         }
     }
-    let q8 = QuantMatrix::from_gguf(WeightFormat::Q8_0, 1, 64, &[0u8; 68]).expect("sizes");
+    let q8 = QuantMatrix::from_gguf(BlockFormat::Q8_0.into(), 1, 64, &[0u8; 68]).expect("sizes");
     assert!(QuantMatrix::stack(&[&parts[0], &q8]).is_none());
     assert!(QuantMatrix::stack(&[]).is_none());
 }
@@ -267,7 +267,8 @@ fn matrices_moved_into_huge_pages_give_the_same_results() {
                     .collect()
             })
             .collect();
-        QuantMatrix::from_gguf(WeightFormat::Q4_1, rows, cols, &encode_q4_1(&w)).expect("sizes")
+        QuantMatrix::from_gguf(BlockFormat::Q4_1.into(), rows, cols, &encode_q4_1(&w))
+            .expect("sizes")
     };
     let own = [part(12, 64, 1), part(5, 96, 2), part(8, 32, 3)];
     let mut shared = own.clone();
@@ -294,9 +295,9 @@ fn rows_decode_as_candle_dequantizes_them() {
         .collect();
     let t = Tensor::from_vec(values, (rows, cols), &Device::Cpu).expect("tensor");
     for (dtype, format) in [
-        (GgmlDType::Q4_0, WeightFormat::Q4_0),
-        (GgmlDType::Q4_1, WeightFormat::Q4_1),
-        (GgmlDType::Q8_0, WeightFormat::Q8_0),
+        (GgmlDType::Q4_0, BlockFormat::Q4_0),
+        (GgmlDType::Q4_1, BlockFormat::Q4_1),
+        (GgmlDType::Q8_0, BlockFormat::Q8_0),
     ] {
         let q = QTensor::quantize(&t, dtype).expect("quantizes");
         let want = q
@@ -304,12 +305,157 @@ fn rows_decode_as_candle_dequantizes_them() {
             .and_then(|d| d.to_vec2::<f32>())
             .expect("dequantizes");
         let data = q.data().expect("bytes");
-        let m = QuantMatrix::from_gguf(format, rows, cols, &data).expect("sizes");
+        let m = QuantMatrix::from_gguf(format.into(), rows, cols, &data).expect("sizes");
         for (r, want) in want.iter().enumerate() {
             let mut got = vec![0f32; cols];
             m.dequantize_row(r, &mut got);
             let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
             assert_eq!(bits(&got), bits(want), "{format:?} row {r}");
+        }
+    }
+}
+
+/// ggml's own outputs on deterministic inputs (`scripts/ggml-reference/`): per format, rows
+/// of weights as ggml quantizes them, activations as ggml's CPU backend quantizes them, their
+/// dot product and the dequantized weights.
+mod ggml {
+    use super::kquant::{self, KFormat};
+
+    /// One row of the fixture.
+    pub(super) struct Row {
+        pub(super) x: Vec<f32>,
+        pub(super) weights: Vec<u8>,
+        pub(super) activations: Vec<u8>,
+        pub(super) dot: f32,
+        pub(super) dequantized: Vec<f32>,
+    }
+
+    fn floats(v: &serde_json::Value) -> Vec<f32> {
+        v.as_array()
+            .expect("a list of bit patterns")
+            .iter()
+            .map(|b| f32::from_bits(b.as_u64().expect("bits") as u32))
+            .collect()
+    }
+
+    fn bytes(v: &serde_json::Value) -> Vec<u8> {
+        let s = v.as_str().expect("hex");
+        (0..s.len() / 2)
+            .map(|i| u8::from_str_radix(&s[2 * i..2 * i + 2], 16).expect("hex digit"))
+            .collect()
+    }
+
+    /// The fixture's rows for ggml's type `name`.
+    pub(super) fn rows(name: &str) -> Vec<Row> {
+        let path = concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/../tests/fixtures/ggml-reference.json"
+        );
+        let text = std::fs::read_to_string(path).expect("the ggml reference fixture");
+        let all: serde_json::Value = serde_json::from_str(&text).expect("JSON");
+        all[name]["rows"]
+            .as_array()
+            .unwrap_or_else(|| panic!("no {name} in the fixture"))
+            .iter()
+            .map(|r| Row {
+                x: floats(&r["x"]),
+                weights: bytes(&r["weights"]),
+                activations: bytes(&r["activations"]),
+                dot: floats(&serde_json::Value::Array(vec![r["dot"][0].clone()]))[0],
+                dequantized: floats(&r["dequantized"]),
+            })
+            .collect()
+    }
+
+    /// A Q8_K row in ggml's `block_q8_K` bytes.
+    pub(super) fn q8k_bytes(a: &kquant::Q8KRow) -> Vec<u8> {
+        let mut out = Vec::new();
+        for (i, d) in a.d.iter().enumerate() {
+            out.extend(d.to_le_bytes());
+            out.extend(a.qs[i * 256..(i + 1) * 256].iter().map(|&q| q as u8));
+            for s in &a.bsums[i * 16..(i + 1) * 16] {
+                out.extend(s.to_le_bytes());
+            }
+        }
+        out
+    }
+
+    pub(super) const K_FORMATS: [(KFormat, &str); 5] = [
+        (KFormat::Q2K, "q2_K"),
+        (KFormat::Q3K, "q3_K"),
+        (KFormat::Q4K, "q4_K"),
+        (KFormat::Q5K, "q5_K"),
+        (KFormat::Q6K, "q6_K"),
+    ];
+}
+
+#[test]
+fn k_quants_compute_what_ggml_computes_bit_for_bit() {
+    for (format, name) in ggml::K_FORMATS {
+        for (r, row) in ggml::rows(name).iter().enumerate() {
+            let a = kquant::quantize_row_q8k(&row.x);
+            assert_eq!(
+                ggml::q8k_bytes(&a),
+                row.activations,
+                "{name} row {r}: Q8_K bytes"
+            );
+            let got = kquant::dot(format)(&row.weights, &a);
+            assert_eq!(
+                got.to_bits(),
+                row.dot.to_bits(),
+                "{name} row {r}: dot {got} vs {}",
+                row.dot
+            );
+            #[cfg(target_arch = "x86_64")]
+            if let Some(cpu) = cpu::detect().avx2() {
+                let v = kquant::avx2::dot(cpu, format)(&row.weights, &a);
+                assert_eq!(v.to_bits(), row.dot.to_bits(), "{name} row {r}: AVX2 dot");
+            }
+            let mut back = vec![0f32; row.x.len()];
+            kquant::dequantize_row(format, &row.weights, &mut back);
+            let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+            assert_eq!(
+                bits(&back),
+                bits(&row.dequantized),
+                "{name} row {r}: dequantized"
+            );
+        }
+    }
+}
+
+#[test]
+fn the_32_value_formats_compute_what_ggml_computes_bit_for_bit() {
+    for (format, name) in [
+        (BlockFormat::Q4_0, "q4_0"),
+        (BlockFormat::Q4_1, "q4_1"),
+        (BlockFormat::Q8_0, "q8_0"),
+    ] {
+        for (r, row) in ggml::rows(name).iter().enumerate() {
+            let sums = format == BlockFormat::Q4_1;
+            let a = quantize_row(&row.x, sums);
+            let mut bytes = Vec::new();
+            for i in 0..a.d.len() {
+                bytes.extend(f16::from_f32(a.d[i]).to_le_bytes());
+                if sums {
+                    bytes.extend(f16::from_f32(a.s[i]).to_le_bytes());
+                }
+                bytes.extend(a.q[i * BLOCK..(i + 1) * BLOCK].iter().map(|&q| q as u8));
+            }
+            assert_eq!(bytes, row.activations, "{name} row {r}: activation bytes");
+            for features in [cpu::detect(), cpu::detect().capped(1)] {
+                let got = dot_kernel(features, format)(&row.weights, &a);
+                assert_eq!(got.to_bits(), row.dot.to_bits(), "{name} row {r}: dot");
+            }
+            let m =
+                QuantMatrix::from_gguf(format.into(), 1, row.x.len(), &row.weights).expect("sizes");
+            let mut back = vec![0f32; row.x.len()];
+            m.dequantize_row(0, &mut back);
+            let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+            assert_eq!(
+                bits(&back),
+                bits(&row.dequantized),
+                "{name} row {r}: dequantized"
+            );
         }
     }
 }

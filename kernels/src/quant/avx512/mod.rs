@@ -8,7 +8,7 @@ pub(super) mod wide;
 use std::arch::x86_64::*;
 
 use super::portable::hsum8;
-use super::{PackedTile, QuantizedRow, WeightFormat, BLOCK};
+use super::{BlockFormat, PackedTile, QuantizedRow, BLOCK};
 use crate::cpu::Avx512Vnni;
 
 /// The four outputs of two paired accumulators (rows 0-1, 2-3): each half reduced as
@@ -88,9 +88,9 @@ fn packed_avx512<const F: u8, const R: usize>(
     out: &mut [[f32; 4]],
 ) {
     let stride = match F {
-        FMT_Q8_0 => WeightFormat::Q8_0,
-        FMT_Q4_1 => WeightFormat::Q4_1,
-        _ => WeightFormat::Q4_0,
+        FMT_Q8_0 => BlockFormat::Q8_0,
+        FMT_Q4_1 => BlockFormat::Q4_1,
+        _ => BlockFormat::Q4_0,
     }
     .block_bytes();
     let unsigned = F == FMT_Q4_1;
@@ -190,12 +190,12 @@ fn packed_rows_avx512<const F: u8>(w: [&[u8]; 4], acts: &[QuantizedRow], out: &m
 }
 
 /// The packed tile for `format`.
-pub(super) fn packed_tile(cpu: Avx512Vnni, format: WeightFormat) -> PackedTile {
+pub(super) fn packed_tile(cpu: Avx512Vnni, format: BlockFormat) -> PackedTile {
     let _ = cpu;
     match format {
-        WeightFormat::Q4_1 => packed_q4_1,
-        WeightFormat::Q4_0 => packed_q4_0,
-        WeightFormat::Q8_0 => packed_q8_0,
+        BlockFormat::Q4_1 => packed_q4_1,
+        BlockFormat::Q4_0 => packed_q4_0,
+        BlockFormat::Q8_0 => packed_q8_0,
     }
 }
 

@@ -25,7 +25,7 @@ use std::arch::x86_64::*;
 
 use crate::cpu::Avx512Vnni;
 use crate::fold::{pairs, quarters};
-use crate::quant::{QuantizedRow, WeightFormat, BLOCK};
+use crate::quant::{BlockFormat, QuantizedRow, BLOCK};
 
 /// 64 bytes aligned for one 512-bit load.
 #[derive(Debug, Clone, Copy)]
@@ -92,7 +92,7 @@ pub(crate) struct WideQuad {
 
 impl WideQuad {
     /// Unpacks four GGUF rows of `format` into this buffer, reusing its memory.
-    pub(crate) fn fill(&mut self, cpu: Avx512Vnni, format: WeightFormat, rows: [&[u8]; 4]) {
+    pub(crate) fn fill(&mut self, cpu: Avx512Vnni, format: BlockFormat, rows: [&[u8]; 4]) {
         let _ = cpu;
         // SAFETY: `cpu` proves every feature `fill_quad` enables.
         unsafe { fill_quad(self, format, rows) }
@@ -100,7 +100,7 @@ impl WideQuad {
 }
 
 #[target_feature(enable = "avx512f,avx512bw,avx2,f16c")]
-fn fill_quad(quad: &mut WideQuad, format: WeightFormat, rows: [&[u8]; 4]) {
+fn fill_quad(quad: &mut WideQuad, format: BlockFormat, rows: [&[u8]; 4]) {
     let stride = format.block_bytes();
     let nb = rows[0].len() / stride;
     assert!(rows.iter().all(|r| r.len() == nb * stride));
@@ -118,7 +118,7 @@ fn fill_quad(quad: &mut WideQuad, format: WeightFormat, rows: [&[u8]; 4]) {
     let low = _mm256_set1_epi8(0x0F);
     let flip = _mm256_set1_epi8(-128);
     let values = match format {
-        WeightFormat::Q4_1 => 4,
+        BlockFormat::Q4_1 => 4,
         _ => 2,
     };
     let p = rows.map(|r| r.as_ptr());
@@ -129,7 +129,7 @@ fn fill_quad(quad: &mut WideQuad, format: WeightFormat, rows: [&[u8]; 4]) {
         // at `values`; all loads are unaligned. Each `Lane32` and `Lane64` is aligned to
         // its size: aligned stores.
         unsafe {
-            let (scales, mins) = if format == WeightFormat::Q4_1 {
+            let (scales, mins) = if format == BlockFormat::Q4_1 {
                 let head = |r: usize| p[r].add(at).cast::<i32>().read_unaligned();
                 let dm = _mm256_cvtph_ps(_mm_setr_epi32(head(0), head(1), head(2), head(3)));
                 let dm = _mm512_castps256_ps512(dm);
@@ -158,7 +158,7 @@ fn fill_quad(quad: &mut WideQuad, format: WeightFormat, rows: [&[u8]; 4]) {
                 let v = row.add(at + values);
                 // The 32 values in order, unsigned: Q8_0 bytes with the sign bit flipped,
                 // nibbles as they are (low nibbles are values 0-15, high ones 16-31).
-                let bytes = if format == WeightFormat::Q8_0 {
+                let bytes = if format == BlockFormat::Q8_0 {
                     _mm256_xor_si256(_mm256_loadu_si256(v.cast()), flip)
                 } else {
                     let x = _mm_loadu_si128(v.cast());
@@ -195,18 +195,18 @@ pub(crate) struct WideActs {
 
 impl WideActs {
     /// Lays out `acts` for weights of `format`.
-    pub(crate) fn new(cpu: Avx512Vnni, format: WeightFormat, acts: &[QuantizedRow]) -> Self {
+    pub(crate) fn new(cpu: Avx512Vnni, format: BlockFormat, acts: &[QuantizedRow]) -> Self {
         let blocks = acts.first().map_or(0, |a| a.d.len());
         assert!(acts
             .iter()
             .all(|a| a.d.len() == blocks && a.q.len() == blocks * BLOCK));
-        let mins = format == WeightFormat::Q4_1;
+        let mins = format == BlockFormat::Q4_1;
         // What makes the weights unsigned, as a power of two: raw nibbles are 8 above Q4_0's
         // values, flipped sign bits 128 above Q8_0's.
         let shift = match format {
-            WeightFormat::Q4_1 => None,
-            WeightFormat::Q4_0 => Some(3),
-            WeightFormat::Q8_0 => Some(7),
+            BlockFormat::Q4_1 => None,
+            BlockFormat::Q4_0 => Some(3),
+            BlockFormat::Q8_0 => Some(7),
         };
         let cells = acts.len().div_ceil(4) * blocks * 4;
         let mut out = WideActs {
@@ -381,13 +381,13 @@ mod tests {
     use half::f16;
 
     /// GGUF rows of `format` from a byte pattern, with finite scales (and minimums).
-    fn weight_rows(format: WeightFormat, blocks: usize, salt: usize) -> [Vec<u8>; 4] {
+    fn weight_rows(format: BlockFormat, blocks: usize, salt: usize) -> [Vec<u8>; 4] {
         [0, 1, 2, 3].map(|r| {
             let mut row = Vec::new();
             for i in 0..blocks {
                 let k = salt + 7 * r + 3 * i;
                 row.extend(f16::from_f32(0.01 + k as f32 * 0.003).to_le_bytes());
-                if format == WeightFormat::Q4_1 {
+                if format == BlockFormat::Q4_1 {
                     row.extend(f16::from_f32(-0.05 * k as f32).to_le_bytes());
                 }
                 let values = format.block_bytes() - row.len() % format.block_bytes();
@@ -423,11 +423,11 @@ mod tests {
             return;
         };
         let blocks = 5;
-        for format in [WeightFormat::Q4_0, WeightFormat::Q4_1, WeightFormat::Q8_0] {
+        for format in [BlockFormat::Q4_0, BlockFormat::Q4_1, BlockFormat::Q8_0] {
             let dot = match format {
-                WeightFormat::Q4_0 => dot_q4_0,
-                WeightFormat::Q4_1 => dot_q4_1,
-                WeightFormat::Q8_0 => dot_q8_0,
+                BlockFormat::Q4_0 => dot_q4_0,
+                BlockFormat::Q4_1 => dot_q4_1,
+                BlockFormat::Q8_0 => dot_q8_0,
             };
             let rows = weight_rows(format, blocks, 1);
             let w = [0, 1, 2, 3].map(|r| &rows[r][..]);

@@ -1,0 +1,368 @@
+//! The K-quant dot products with AVX2: ggml's own instruction sequences, so each result is
+//! its portable twin's (`super`) bit for bit. Every entry point is handed out by [`dot`],
+//! which takes the [`Avx2`] token.
+
+use std::arch::x86_64::*;
+
+use super::{f16_at, scales_mins_k4, scales_q3k, KFormat, Q8KRow, QK_K};
+use crate::cpu::Avx2;
+use crate::quant::portable::hsum8;
+
+/// The dot product of a weight row of `format` with an activation row.
+pub(crate) fn dot(cpu: Avx2, format: KFormat) -> fn(&[u8], &Q8KRow) -> f32 {
+    let _ = cpu;
+    match format {
+        KFormat::Q2K => q2k,
+        KFormat::Q3K => q3k,
+        KFormat::Q4K => q4k,
+        KFormat::Q5K => q5k,
+        KFormat::Q6K => q6k,
+    }
+}
+
+// Handed out only by `dot`, which takes the AVX2 token: each runs only where AVX2 and FMA
+// were detected.
+
+fn q4k(w: &[u8], a: &Q8KRow) -> f32 {
+    // SAFETY: handed out by `dot`, which takes the AVX2 token.
+    unsafe { q4k_avx2(w, a) }
+}
+
+fn q5k(w: &[u8], a: &Q8KRow) -> f32 {
+    // SAFETY: as in `q4k`.
+    unsafe { q5k_avx2(w, a) }
+}
+
+fn q6k(w: &[u8], a: &Q8KRow) -> f32 {
+    // SAFETY: as in `q4k`.
+    unsafe { q6k_avx2(w, a) }
+}
+
+fn q2k(w: &[u8], a: &Q8KRow) -> f32 {
+    // SAFETY: as in `q4k`.
+    unsafe { q2k_avx2(w, a) }
+}
+
+fn q3k(w: &[u8], a: &Q8KRow) -> f32 {
+    // SAFETY: as in `q4k`.
+    unsafe { q3k_avx2(w, a) }
+}
+
+/// 32 bytes at `at` of `b` (which must hold them), unaligned.
+#[inline]
+#[target_feature(enable = "avx2")]
+fn load32(b: &[u8], at: usize) -> __m256i {
+    assert!(b.len() >= at + 32);
+    // SAFETY: the assertion keeps the 32 bytes read inside `b`; the load is unaligned.
+    unsafe { _mm256_loadu_si256(b.as_ptr().add(at).cast()) }
+}
+
+/// 32 activation bytes at `at`.
+#[inline]
+#[target_feature(enable = "avx2")]
+fn load_q8(q: &[i8], at: usize) -> __m256i {
+    assert!(q.len() >= at + 32);
+    // SAFETY: as in `load32`.
+    unsafe { _mm256_loadu_si256(q.as_ptr().add(at).cast()) }
+}
+
+/// The sixteen block sums of super-block `i`.
+#[inline]
+#[target_feature(enable = "avx2")]
+fn bsums(a: &Q8KRow, i: usize) -> __m256i {
+    let s = &a.bsums[16 * i..16 * (i + 1)];
+    // SAFETY: `s` is exactly sixteen i16 (32 bytes); the load is unaligned.
+    unsafe { _mm256_loadu_si256(s.as_ptr().cast()) }
+}
+
+/// The eight f32 lanes, summed as ggml's `hsum_float_8`.
+#[inline]
+#[target_feature(enable = "avx")]
+fn hsum(v: __m256) -> f32 {
+    let mut lanes = [0f32; 8];
+    // SAFETY: `lanes` holds exactly eight f32; the store is unaligned.
+    unsafe { _mm256_storeu_ps(lanes.as_mut_ptr(), v) };
+    hsum8(lanes)
+}
+
+/// i16 lane `k` of the eight in `v`, in every lane (a `get_scale_shuffle_k4` row).
+#[inline]
+#[target_feature(enable = "avx2")]
+fn broadcast_i16(v: __m256i, k: i32) -> __m256i {
+    let lo = (2 * k) as i8;
+    let hi = lo + 1;
+    _mm256_shuffle_epi8(
+        v,
+        _mm256_setr_epi8(
+            lo, hi, lo, hi, lo, hi, lo, hi, lo, hi, lo, hi, lo, hi, lo, hi, lo, hi, lo, hi, lo, hi,
+            lo, hi, lo, hi, lo, hi, lo, hi, lo, hi,
+        ),
+    )
+}
+
+/// i16 lanes `2k` (to the low eight) and `2k + 1` (the high eight) of each 128-bit half of
+/// `v` (a `get_scale_shuffle_q3k` row).
+#[inline]
+#[target_feature(enable = "avx2")]
+fn split_i16(v: __m256i, k: i32) -> __m256i {
+    let (a, b) = ((4 * k) as i8, (4 * k + 2) as i8);
+    let (a1, b1) = (a + 1, b + 1);
+    _mm256_shuffle_epi8(
+        v,
+        _mm256_setr_epi8(
+            a, a1, a, a1, a, a1, a, a1, a, a1, a, a1, a, a1, a, a1, b, b1, b, b1, b, b1, b, b1, b,
+            b1, b, b1, b, b1, b, b1,
+        ),
+    )
+}
+
+/// Bytes of scales `2k` (eight times) then `2k + 1` (eight times) of `v` (a
+/// `get_scale_shuffle` row).
+#[inline]
+#[target_feature(enable = "avx2")]
+fn split_i8(v: __m128i, k: i32) -> __m128i {
+    let (a, b) = ((2 * k) as i8, (2 * k + 1) as i8);
+    _mm_shuffle_epi8(
+        v,
+        _mm_setr_epi8(a, a, a, a, a, a, a, a, b, b, b, b, b, b, b, b),
+    )
+}
+
+#[target_feature(enable = "avx2,fma")]
+fn q4k_avx2(w: &[u8], a: &Q8KRow) -> f32 {
+    let m4 = _mm256_set1_epi8(0xF);
+    let mut acc = _mm256_setzero_ps();
+    let mut acc_m = _mm_setzero_ps();
+    for (i, b) in w.chunks_exact(KFormat::Q4K.block_bytes()).enumerate() {
+        let d = a.d[i] * f16_at(b, 0);
+        let dmin = -a.d[i] * f16_at(b, 2);
+        let (scales8, mins8) = scales_mins_k4(&b[4..16]);
+        let mut sm = [0u8; 16];
+        sm[..8].copy_from_slice(&scales8);
+        sm[8..].copy_from_slice(&mins8);
+        // SAFETY: `sm` is sixteen bytes; the load is unaligned.
+        let mins_and_scales = _mm256_cvtepu8_epi16(unsafe { _mm_loadu_si128(sm.as_ptr().cast()) });
+        let q8sums = bsums(a, i);
+        let q8s = _mm_hadd_epi16(
+            _mm256_extracti128_si256::<0>(q8sums),
+            _mm256_extracti128_si256::<1>(q8sums),
+        );
+        let prod = _mm_madd_epi16(_mm256_extracti128_si256::<1>(mins_and_scales), q8s);
+        acc_m = _mm_fmadd_ps(_mm_set1_ps(dmin), _mm_cvtepi32_ps(prod), acc_m);
+        let sc128 = _mm256_extracti128_si256::<0>(mins_and_scales);
+        let scales = _mm256_set_m128i(sc128, sc128);
+        let mut sumi = _mm256_setzero_si256();
+        for j in 0..QK_K / 64 {
+            let scale_l = broadcast_i16(scales, 2 * j as i32);
+            let scale_h = broadcast_i16(scales, 2 * j as i32 + 1);
+            let q4bits = load32(b, 16 + 32 * j);
+            let q4l = _mm256_and_si256(q4bits, m4);
+            let q4h = _mm256_and_si256(_mm256_srli_epi16::<4>(q4bits), m4);
+            let q8l = load_q8(&a.qs, i * QK_K + 64 * j);
+            let p16l = _mm256_madd_epi16(scale_l, _mm256_maddubs_epi16(q4l, q8l));
+            let q8h = load_q8(&a.qs, i * QK_K + 64 * j + 32);
+            let p16h = _mm256_madd_epi16(scale_h, _mm256_maddubs_epi16(q4h, q8h));
+            sumi = _mm256_add_epi32(sumi, _mm256_add_epi32(p16l, p16h));
+        }
+        acc = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(sumi), acc);
+    }
+    let acc_m = _mm_add_ps(acc_m, _mm_movehl_ps(acc_m, acc_m));
+    let acc_m = _mm_add_ss(acc_m, _mm_movehdup_ps(acc_m));
+    hsum(acc) + _mm_cvtss_f32(acc_m)
+}
+
+#[target_feature(enable = "avx2,fma")]
+fn q5k_avx2(w: &[u8], a: &Q8KRow) -> f32 {
+    let m4 = _mm256_set1_epi8(0xF);
+    let mone = _mm256_set1_epi8(1);
+    let mut acc = _mm256_setzero_ps();
+    let mut summs = 0f32;
+    for (i, b) in w.chunks_exact(KFormat::Q5K.block_bytes()).enumerate() {
+        let d = a.d[i] * f16_at(b, 0);
+        let dmin = -a.d[i] * f16_at(b, 2);
+        let (scales8, mins8) = scales_mins_k4(&b[4..16]);
+        let mut sm = [0u8; 16];
+        sm[..8].copy_from_slice(&scales8);
+        sm[8..].copy_from_slice(&mins8);
+        // SAFETY: `sm` is sixteen bytes; the load is unaligned.
+        let mins_and_scales = _mm256_cvtepu8_epi16(unsafe { _mm_loadu_si128(sm.as_ptr().cast()) });
+        let q8sums = bsums(a, i);
+        let q8s = _mm_hadd_epi16(
+            _mm256_extracti128_si256::<0>(q8sums),
+            _mm256_extracti128_si256::<1>(q8sums),
+        );
+        let prod = _mm_madd_epi16(_mm256_extracti128_si256::<1>(mins_and_scales), q8s);
+        let zero = _mm_setzero_si128();
+        let hs = _mm_hadd_epi32(_mm_hadd_epi32(prod, zero), zero);
+        summs = dmin.mul_add(_mm_cvtsi128_si32(hs) as f32, summs);
+        let sc128 = _mm256_extracti128_si256::<0>(mins_and_scales);
+        let scales = _mm256_set_m128i(sc128, sc128);
+        let hbits = load32(b, 16);
+        let mut hmask = mone;
+        let mut sumi = _mm256_setzero_si256();
+        for j in 0..QK_K / 64 {
+            let scale_0 = broadcast_i16(scales, 2 * j as i32);
+            let scale_1 = broadcast_i16(scales, 2 * j as i32 + 1);
+            let q5bits = load32(b, 48 + 32 * j);
+            let bit = _mm_cvtsi32_si128(2 * j as i32);
+            let q5l_0 = _mm256_and_si256(q5bits, m4);
+            let q5h_0 =
+                _mm256_slli_epi16::<4>(_mm256_srl_epi16(_mm256_and_si256(hbits, hmask), bit));
+            let q5_0 = _mm256_add_epi8(q5l_0, q5h_0);
+            hmask = _mm256_slli_epi16::<1>(hmask);
+            let bit = _mm_cvtsi32_si128(2 * j as i32 + 1);
+            let q5l_1 = _mm256_and_si256(_mm256_srli_epi16::<4>(q5bits), m4);
+            let q5h_1 =
+                _mm256_slli_epi16::<4>(_mm256_srl_epi16(_mm256_and_si256(hbits, hmask), bit));
+            let q5_1 = _mm256_add_epi8(q5l_1, q5h_1);
+            hmask = _mm256_slli_epi16::<1>(hmask);
+            let q8_0 = load_q8(&a.qs, i * QK_K + 64 * j);
+            let q8_1 = load_q8(&a.qs, i * QK_K + 64 * j + 32);
+            let p16_0 = _mm256_madd_epi16(scale_0, _mm256_maddubs_epi16(q5_0, q8_0));
+            let p16_1 = _mm256_madd_epi16(scale_1, _mm256_maddubs_epi16(q5_1, q8_1));
+            sumi = _mm256_add_epi32(sumi, _mm256_add_epi32(p16_0, p16_1));
+        }
+        acc = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(sumi), acc);
+    }
+    hsum(acc) + summs
+}
+
+#[target_feature(enable = "avx2,fma")]
+fn q6k_avx2(w: &[u8], a: &Q8KRow) -> f32 {
+    let m3 = _mm256_set1_epi8(3);
+    let m15 = _mm256_set1_epi8(15);
+    let mut acc = _mm256_setzero_ps();
+    for (i, b) in w.chunks_exact(KFormat::Q6K.block_bytes()).enumerate() {
+        let d = a.d[i] * f16_at(b, 208);
+        let q8sums = bsums(a, i);
+        // SAFETY: the super-block's sixteen scale bytes start at 192 of its 210.
+        let scales = unsafe { _mm_loadu_si128(b[192..208].as_ptr().cast()) };
+        let scales_16 = _mm256_cvtepi8_epi16(scales);
+        let q8sclsub = _mm256_slli_epi32::<5>(_mm256_madd_epi16(q8sums, scales_16));
+        let mut sumi = _mm256_setzero_si256();
+        for j in 0..QK_K / 128 {
+            let q4bits1 = load32(b, 64 * j);
+            let q4bits2 = load32(b, 64 * j + 32);
+            let q4bits_h = load32(b, 128 + 32 * j);
+            let q4h_0 = _mm256_slli_epi16::<4>(_mm256_and_si256(q4bits_h, m3));
+            let q4h_1 = _mm256_slli_epi16::<2>(_mm256_and_si256(q4bits_h, _mm256_set1_epi8(12)));
+            let q4h_2 = _mm256_and_si256(q4bits_h, _mm256_set1_epi8(48));
+            let q4h_3 = _mm256_srli_epi16::<2>(_mm256_and_si256(q4bits_h, _mm256_set1_epi8(-64)));
+            let q4_0 = _mm256_or_si256(_mm256_and_si256(q4bits1, m15), q4h_0);
+            let q4_1 = _mm256_or_si256(_mm256_and_si256(q4bits2, m15), q4h_1);
+            let q4_2 = _mm256_or_si256(
+                _mm256_and_si256(_mm256_srli_epi16::<4>(q4bits1), m15),
+                q4h_2,
+            );
+            let q4_3 = _mm256_or_si256(
+                _mm256_and_si256(_mm256_srli_epi16::<4>(q4bits2), m15),
+                q4h_3,
+            );
+            let base = i * QK_K + 128 * j;
+            let p = [q4_0, q4_1, q4_2, q4_3]
+                .into_iter()
+                .enumerate()
+                .map(|(k, q)| {
+                    let y = load_q8(&a.qs, base + 32 * k);
+                    let scale = _mm256_cvtepi8_epi16(split_i8(scales, 4 * j as i32 + k as i32));
+                    _mm256_madd_epi16(scale, _mm256_maddubs_epi16(q, y))
+                });
+            let p: Vec<__m256i> = p.collect();
+            sumi = _mm256_add_epi32(sumi, _mm256_add_epi32(p[0], p[1]));
+            sumi = _mm256_add_epi32(sumi, _mm256_add_epi32(p[2], p[3]));
+        }
+        let sumi = _mm256_sub_epi32(sumi, q8sclsub);
+        acc = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(sumi), acc);
+    }
+    hsum(acc)
+}
+
+#[target_feature(enable = "avx2,fma")]
+fn q2k_avx2(w: &[u8], a: &Q8KRow) -> f32 {
+    let m3 = _mm256_set1_epi8(3);
+    let m4 = _mm_set1_epi8(0xF);
+    let mut acc = _mm256_setzero_ps();
+    for (i, b) in w.chunks_exact(KFormat::Q2K.block_bytes()).enumerate() {
+        let d = a.d[i] * f16_at(b, 80);
+        let dmin = -a.d[i] * f16_at(b, 82);
+        // SAFETY: the super-block's sixteen scale bytes are its first.
+        let mins_and_scales = unsafe { _mm_loadu_si128(b[0..16].as_ptr().cast()) };
+        let scales8 = _mm_and_si128(mins_and_scales, m4);
+        let mins8 = _mm_and_si128(_mm_srli_epi16::<4>(mins_and_scales), m4);
+        let mins = _mm256_cvtepi8_epi16(mins8);
+        let prod = _mm256_madd_epi16(mins, bsums(a, i));
+        acc = _mm256_fmadd_ps(_mm256_set1_ps(dmin), _mm256_cvtepi32_ps(prod), acc);
+        let all_scales = _mm256_cvtepi8_epi16(scales8);
+        let l_scales = _mm256_extracti128_si256::<0>(all_scales);
+        let h_scales = _mm256_extracti128_si256::<1>(all_scales);
+        let scales = [
+            _mm256_set_m128i(l_scales, l_scales),
+            _mm256_set_m128i(h_scales, h_scales),
+        ];
+        let mut sumi = _mm256_setzero_si256();
+        for (j, scales) in scales.iter().enumerate() {
+            let q2bits = load32(b, 16 + 32 * j);
+            let base = i * QK_K + 128 * j;
+            let q = [
+                _mm256_and_si256(q2bits, m3),
+                _mm256_and_si256(_mm256_srli_epi16::<2>(q2bits), m3),
+                _mm256_and_si256(_mm256_srli_epi16::<4>(q2bits), m3),
+                _mm256_and_si256(_mm256_srli_epi16::<6>(q2bits), m3),
+            ];
+            let p: [__m256i; 4] = std::array::from_fn(|k| {
+                let y = load_q8(&a.qs, base + 32 * k);
+                _mm256_madd_epi16(split_i16(*scales, k as i32), _mm256_maddubs_epi16(q[k], y))
+            });
+            let p0 = _mm256_add_epi32(p[0], p[1]);
+            let p2 = _mm256_add_epi32(p[2], p[3]);
+            sumi = _mm256_add_epi32(sumi, _mm256_add_epi32(p0, p2));
+        }
+        acc = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(sumi), acc);
+    }
+    hsum(acc)
+}
+
+#[target_feature(enable = "avx2,fma")]
+fn q3k_avx2(w: &[u8], a: &Q8KRow) -> f32 {
+    let m3 = _mm256_set1_epi8(3);
+    let mone = _mm256_set1_epi8(1);
+    let mut acc = _mm256_setzero_ps();
+    for (i, b) in w.chunks_exact(KFormat::Q3K.block_bytes()).enumerate() {
+        let d = a.d[i] * f16_at(b, 108);
+        let sc = scales_q3k(&b[96..108]);
+        // SAFETY: `sc` is sixteen i16 (32 bytes); the load is unaligned.
+        let all_scales = unsafe { _mm256_loadu_si256(sc.as_ptr().cast()) };
+        let l_scales = _mm256_extracti128_si256::<0>(all_scales);
+        let h_scales = _mm256_extracti128_si256::<1>(all_scales);
+        let scales = [
+            _mm256_set_m128i(l_scales, l_scales),
+            _mm256_set_m128i(h_scales, h_scales),
+        ];
+        let hbits = load32(b, 0);
+        let mut sumi = _mm256_setzero_si256();
+        for (j, scales) in scales.iter().enumerate() {
+            let q3bits = load32(b, 32 + 32 * j);
+            let base = i * QK_K + 128 * j;
+            let p: [__m256i; 4] = std::array::from_fn(|k| {
+                let bit = _mm_cvtsi32_si128((4 * j + k) as i32);
+                let low = _mm256_and_si256(
+                    _mm256_srl_epi16(q3bits, _mm_cvtsi32_si128(2 * k as i32)),
+                    m3,
+                );
+                let high = _mm256_slli_epi16::<2>(_mm256_srl_epi16(
+                    _mm256_andnot_si256(hbits, _mm256_sll_epi16(mone, bit)),
+                    bit,
+                ));
+                let y = load_q8(&a.qs, base + 32 * k);
+                let q8s = _mm256_maddubs_epi16(high, y);
+                let p16 = _mm256_sub_epi16(_mm256_maddubs_epi16(low, y), q8s);
+                _mm256_madd_epi16(split_i16(*scales, k as i32), p16)
+            });
+            let p0 = _mm256_add_epi32(p[0], p[1]);
+            let p2 = _mm256_add_epi32(p[2], p[3]);
+            sumi = _mm256_add_epi32(sumi, _mm256_add_epi32(p0, p2));
+        }
+        acc = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(sumi), acc);
+    }
+    hsum(acc)
+}

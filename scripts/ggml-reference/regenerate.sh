@@ -1,0 +1,51 @@
+#!/usr/bin/env bash
+# Regenerates tests/fixtures/ggml-reference.json: ggml's quantizers, activation quantizers,
+# dot products and dequantizers on deterministic inputs, from the llama.cpp vendored in the
+# PyPI sdist llama-cpp-python==0.3.36 (the one make bench-peer builds, GGML_NATIVE on), so
+# the kernel tests can hold Ferrite's arithmetic to ggml's bit for bit. make test never runs
+# this; it reads the committed file.
+set -euo pipefail
+ROOT="$(cd "$(dirname "$0")/../.." && pwd)"
+CACHE="${XDG_CACHE_HOME:-$HOME/.cache}/ferrite"
+LLAMA_VERSION=0.3.36
+LLAMA_DIR="$CACHE/llamacpp/llama_cpp_python-$LLAMA_VERSION/vendor/llama.cpp"
+if [ ! -f "$LLAMA_DIR/build/bin/libggml-cpu.so" ]; then
+  mkdir -p "$CACHE/llamacpp" && cd "$CACHE/llamacpp"
+  python3 -m pip download --quiet --no-deps --no-binary :all: "llama-cpp-python==$LLAMA_VERSION" -d .
+  tar xzf "llama_cpp_python-$LLAMA_VERSION.tar.gz"
+  cmake -S "$LLAMA_DIR" -B "$LLAMA_DIR/build" -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON \
+    -DLLAMA_CURL=OFF -DLLAMA_BUILD_SERVER=ON -DLLAMA_BUILD_TESTS=OFF > /dev/null
+  cmake --build "$LLAMA_DIR/build" --target llama-server llama-quantize -j "$(nproc)" > /dev/null
+fi
+OUT="$(mktemp -d)"
+cc -O2 -o "$OUT/ggml_reference" "$ROOT/scripts/ggml-reference/ggml_reference.c" \
+  -I "$LLAMA_DIR/ggml/include" -L "$LLAMA_DIR/build/bin" -lggml-cpu -lggml-base -lggml \
+  -Wl,-rpath,"$LLAMA_DIR/build/bin"
+"$OUT/ggml_reference" > "$ROOT/tests/fixtures/ggml-reference.json"
+echo "wrote tests/fixtures/ggml-reference.json"
+
+# Tiny random Llama-shaped models quantized by llama.cpp's own quantizer, and llama-server's
+# greedy outputs on them: weights not repacked, flash attention on, 2 threads, and one token
+# per micro-batch (-ub 1). llama.cpp gives the same logits whether a prompt goes through in
+# one batch or token by token, except when a batched prompt is followed by decoding steps
+# on K-quant weights, where its decoding steps come out slightly different (up to ~0.2 nats
+# on these models); token by token is the configuration in which it agrees with itself.
+PY="$("$ROOT/scripts/python-env.sh")"
+FIX="$ROOT/tests/fixtures/tiny"
+mkdir -p "$FIX"
+PYTHONPATH="$LLAMA_DIR/gguf-py" "$PY" "$ROOT/scripts/ggml-reference/tiny_model.py" "$OUT/tiny-f32.gguf"
+PROMPTS='[[10, 20, 30, 40, 50], [104, 101, 108, 108, 111, 32, 119, 111, 114, 108, 100], [7, 100, 13, 99, 130, 1, 45, 45, 45, 120, 3, 77, 88, 127, 0, 12, 110, 60, 61, 62, 63, 64], [129, 33], [65]]'
+CASES="[]"
+for q in Q2_K Q3_K_M Q4_K_M Q5_K_M Q6_K; do
+  "$LLAMA_DIR/build/bin/llama-quantize" "$OUT/tiny-f32.gguf" "$FIX/tiny-$q.gguf" "$q" > /dev/null 2>&1
+  PORT=$("$PY" -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])')
+  "$LLAMA_DIR/build/bin/llama-server" -m "$FIX/tiny-$q.gguf" --no-repack -fa on -t 2 -ub 1 -c 512 \
+    --port "$PORT" > "$OUT/server-$q.log" 2>&1 &
+  SERVER=$!
+  until curl -sf "http://127.0.0.1:$PORT/health" > /dev/null; do sleep 0.2; done
+  MORE=$(echo "$PROMPTS" | "$PY" "$ROOT/scripts/ggml-reference/greedy.py" "http://127.0.0.1:$PORT" "tiny-$q.gguf" 24)
+  kill "$SERVER"; wait "$SERVER" 2> /dev/null || true
+  CASES=$("$PY" -c 'import json,sys; print(json.dumps(json.loads(sys.argv[1]) + json.loads(sys.argv[2])))' "$CASES" "$MORE")
+done
+echo "$CASES" | "$PY" -m json.tool --indent 1 > "$ROOT/tests/fixtures/tiny-llamacpp-greedy.json"
+echo "wrote tests/fixtures/tiny/*.gguf and tests/fixtures/tiny-llamacpp-greedy.json"

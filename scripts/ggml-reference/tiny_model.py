@@ -1,0 +1,91 @@
+"""Writes a tiny Llama-shaped GGUF with random f32 weights (seeded), for llama.cpp's
+quantizer to turn into K-quant and other test models.
+
+Shape: hidden 256 and FFN 768 (multiples of 256, so every K-quant applies to every matrix),
+4 query heads on 2 KV heads of 64, 2 layers, a 134-token byte-level BPE vocabulary, 512
+positions. The vocabulary holds the 128 ASCII bytes (so every token's text is whole UTF-8,
+which llama-server needs to report each token's probabilities), five merges and an end token.
+Usage: tiny_model.py OUT.gguf (run with llama.cpp's gguf-py on PYTHONPATH)."""
+import sys
+
+import numpy as np
+
+import gguf
+
+HIDDEN, FFN, HEADS, KV_HEADS, LAYERS, CTX = 256, 768, 4, 2, 2, 512
+
+
+def byte_tokens():
+    """GPT-2's byte-to-unicode table: the single-byte tokens of the ASCII bytes."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    table = dict(zip(bs, (chr(c) for c in cs)))
+    return [table[b] for b in range(128)]
+
+
+def main(out):
+    rng = np.random.default_rng(20261201)
+    tokens = byte_tokens()
+    merges = ["Ġ t", "h e", "Ġt he", "i n", "a n"]
+    for m in merges:
+        tokens.append(m.replace(" ", ""))
+    tokens.append("<|endoftext|>")
+    vocab = len(tokens)
+    types = [1] * (vocab - 1) + [3]
+
+    w = gguf.GGUFWriter(out, "llama")
+    w.add_name("ferrite-tiny-random")
+    w.add_context_length(CTX)
+    w.add_embedding_length(HIDDEN)
+    w.add_block_count(LAYERS)
+    w.add_feed_forward_length(FFN)
+    w.add_head_count(HEADS)
+    w.add_head_count_kv(KV_HEADS)
+    w.add_rope_dimension_count(HIDDEN // HEADS)
+    w.add_rope_freq_base(10000.0)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_vocab_size(vocab)
+    w.add_file_type(gguf.LlamaFileType.ALL_F32)
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("default")
+    w.add_token_list(tokens)
+    w.add_token_types(types)
+    w.add_token_merges(merges)
+    w.add_bos_token_id(vocab - 1)
+    w.add_eos_token_id(vocab - 1)
+    w.add_add_bos_token(False)
+
+    def mat(rows, cols, scale):
+        return (rng.standard_normal((rows, cols)) * scale).astype(np.float32)
+
+    def norm(n):
+        return (1.0 + 0.1 * rng.standard_normal(n)).astype(np.float32)
+
+    hd = HIDDEN // HEADS
+    w.add_tensor("token_embd.weight", mat(vocab, HIDDEN, 1.0))
+    for l in range(LAYERS):
+        w.add_tensor(f"blk.{l}.attn_norm.weight", norm(HIDDEN))
+        w.add_tensor(f"blk.{l}.attn_q.weight", mat(HEADS * hd, HIDDEN, 0.08))
+        w.add_tensor(f"blk.{l}.attn_k.weight", mat(KV_HEADS * hd, HIDDEN, 0.08))
+        w.add_tensor(f"blk.{l}.attn_v.weight", mat(KV_HEADS * hd, HIDDEN, 0.08))
+        w.add_tensor(f"blk.{l}.attn_output.weight", mat(HIDDEN, HEADS * hd, 0.08))
+        w.add_tensor(f"blk.{l}.ffn_norm.weight", norm(HIDDEN))
+        w.add_tensor(f"blk.{l}.ffn_gate.weight", mat(FFN, HIDDEN, 0.08))
+        w.add_tensor(f"blk.{l}.ffn_up.weight", mat(FFN, HIDDEN, 0.08))
+        w.add_tensor(f"blk.{l}.ffn_down.weight", mat(HIDDEN, FFN, 0.05))
+    w.add_tensor("output_norm.weight", norm(HIDDEN))
+    w.add_tensor("output.weight", mat(vocab, HIDDEN, 0.25))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])

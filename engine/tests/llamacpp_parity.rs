@@ -1,6 +1,7 @@
 //! The default model reproduces llama.cpp's greedy tokens, log-probability margins,
 //! chat rendering and tokenization on the same GGUF; tiny random models quantized by
-//! llama.cpp's own quantizer to every K-quant reproduce its greedy tokens and margins.
+//! llama.cpp's own quantizer to every K-quant, Q5_0 and Q5_1 reproduce its greedy tokens and
+//! margins.
 
 mod common;
 
@@ -155,7 +156,7 @@ fn greedy_decoding_matches_llama_cpp() {
 }
 
 #[test]
-fn greedy_decoding_matches_llama_cpp_on_every_k_quant() {
+fn greedy_decoding_matches_llama_cpp_on_every_quantized_tiny_model() {
     let text = std::fs::read_to_string(common::fixture("tiny-llamacpp-greedy.json"))
         .expect("fixture tests/fixtures/tiny-llamacpp-greedy.json");
     let cases: Vec<TinyCase> = serde_json::from_str(&text).expect("fixture parses");
@@ -176,6 +177,9 @@ fn greedy_decoding_matches_llama_cpp_on_every_k_quant() {
         println!("{line}");
         failures.extend(f);
     }
-    assert!(models.len() >= 5, "every K-quant model is in the fixture");
+    assert!(
+        models.len() >= 7,
+        "every K-quant, Q5_0 and Q5_1 model is in the fixture"
+    );
     assert!(failures.is_empty(), "{}", failures.join("\n"));
 }

@@ -119,6 +119,8 @@ impl WeightSource for GgufFile {
             GgmlDType::Q4_0 => Some(WeightFormat::Q4_0),
             GgmlDType::Q4_1 => Some(WeightFormat::Q4_1),
             GgmlDType::Q8_0 => Some(WeightFormat::Q8_0),
+            GgmlDType::Q5_0 => Some(WeightFormat::Q5_0),
+            GgmlDType::Q5_1 => Some(WeightFormat::Q5_1),
             GgmlDType::Q2K => Some(WeightFormat::K(KFormat::Q2K)),
             GgmlDType::Q3K => Some(WeightFormat::K(KFormat::Q3K)),
             GgmlDType::Q4K => Some(WeightFormat::K(KFormat::Q4K)),

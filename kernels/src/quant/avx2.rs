@@ -350,3 +350,69 @@ fn dot_q8_0(w: &[u8], a: &QuantizedRow) -> f32 {
     // SAFETY: handed out by `dot`, which takes the AVX2 token.
     unsafe { signed(w, a, Q8_0, false) }
 }
+
+/// The Q5 dot products, handed out only with the AVX2 token.
+pub(super) fn dot_q5(cpu: Avx2, signed: bool) -> Dot {
+    let _ = cpu;
+    if signed {
+        q5_0
+    } else {
+        q5_1
+    }
+}
+
+fn q5_0(w: &[u8], a: &QuantizedRow) -> f32 {
+    // SAFETY: handed out by `dot_q5`, which takes the AVX2 token.
+    unsafe { q5_avx2::<true>(w, a) }
+}
+
+fn q5_1(w: &[u8], a: &QuantizedRow) -> f32 {
+    // SAFETY: as in `q5_0`.
+    unsafe { q5_avx2::<false>(w, a) }
+}
+
+/// ggml's `bytes_from_bits_32`: byte `j` all ones where bit `j` of the four bytes is set.
+#[inline]
+#[target_feature(enable = "avx2")]
+fn bytes_from_bits(qh: &[u8]) -> __m256i {
+    let x32 = i32::from_le_bytes([qh[0], qh[1], qh[2], qh[3]]);
+    let shuf = _mm256_set_epi64x(
+        0x0303_0303_0303_0303,
+        0x0202_0202_0202_0202,
+        0x0101_0101_0101_0101,
+        0,
+    );
+    let bytes = _mm256_shuffle_epi8(_mm256_set1_epi32(x32), shuf);
+    let bit_mask = _mm256_set1_epi64x(0x7fbf_dfef_f7fb_fdfe);
+    _mm256_cmpeq_epi8(_mm256_or_si256(bytes, bit_mask), _mm256_set1_epi64x(-1))
+}
+
+/// `ggml_vec_dot_q5_0_q8_0` (`SIGNED`) and `ggml_vec_dot_q5_1_q8_1`.
+#[target_feature(enable = "avx2,fma")]
+fn q5_avx2<const SIGNED: bool>(w: &[u8], a: &QuantizedRow) -> f32 {
+    let stride = if SIGNED {
+        super::q5::Q5_0_BYTES
+    } else {
+        super::q5::Q5_1_BYTES
+    };
+    let (qh_at, qs_at) = if SIGNED { (2, 6) } else { (4, 8) };
+    let mut acc = _mm256_setzero_ps();
+    let mut summs = 0f32;
+    for (i, b) in w.chunks_exact(stride).enumerate() {
+        let qx = nibbles(&b[qs_at..]);
+        let hi = bytes_from_bits(&b[qh_at..]);
+        let qy = activation(a, i);
+        if SIGNED {
+            let qx = _mm256_or_si256(qx, _mm256_andnot_si256(hi, _mm256_set1_epi8(-16)));
+            let d = _mm256_set1_ps(f16_at(b, 0) * a.d[i]);
+            let q = lane_sums(_mm256_sign_epi8(qx, qx), _mm256_sign_epi8(qy, qx));
+            acc = _mm256_fmadd_ps(d, q, acc);
+        } else {
+            summs = f16_at(b, 2).mul_add(a.s[i], summs);
+            let qx = _mm256_or_si256(qx, _mm256_and_si256(hi, _mm256_set1_epi8(0x10)));
+            let d = _mm256_set1_ps(f16_at(b, 0) * a.d[i]);
+            acc = _mm256_fmadd_ps(lane_sums(qx, qy), d, acc);
+        }
+    }
+    hsum8(lanes(acc)) + summs
+}

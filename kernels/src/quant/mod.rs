@@ -33,6 +33,7 @@ mod avx2;
 mod avx512;
 pub mod kquant;
 pub(crate) mod portable;
+mod q5;
 #[cfg(target_arch = "x86_64")]
 #[allow(unsafe_code)]
 mod sse2;
@@ -54,6 +55,10 @@ pub enum WeightFormat {
     Q4_1,
     /// 8-bit values with one f16 scale per block of 32.
     Q8_0,
+    /// 5-bit values with one f16 scale per block of 32, offset by 16.
+    Q5_0,
+    /// 5-bit values with an f16 scale and minimum per block of 32.
+    Q5_1,
     /// A K-quant: 256-value super-blocks of scaled sub-blocks.
     K(KFormat),
 }
@@ -83,6 +88,8 @@ impl WeightFormat {
             WeightFormat::Q4_0 => BlockFormat::Q4_0.block_bytes(),
             WeightFormat::Q4_1 => BlockFormat::Q4_1.block_bytes(),
             WeightFormat::Q8_0 => BlockFormat::Q8_0.block_bytes(),
+            WeightFormat::Q5_0 => q5::Q5_0_BYTES,
+            WeightFormat::Q5_1 => q5::Q5_1_BYTES,
             WeightFormat::K(k) => k.block_bytes(),
         }
     }
@@ -93,7 +100,7 @@ impl WeightFormat {
             WeightFormat::Q4_0 => Some(BlockFormat::Q4_0),
             WeightFormat::Q4_1 => Some(BlockFormat::Q4_1),
             WeightFormat::Q8_0 => Some(BlockFormat::Q8_0),
-            WeightFormat::K(_) => None,
+            WeightFormat::Q5_0 | WeightFormat::Q5_1 | WeightFormat::K(_) => None,
         }
     }
 }
@@ -253,8 +260,11 @@ impl QuantMatrix {
     pub fn dequantize_row(&self, r: usize, out: &mut [f32]) {
         let row = self.weight_row(r);
         let Some(format) = self.format.small() else {
-            if let WeightFormat::K(k) = self.format {
-                kquant::dequantize_row(k, row, out);
+            match self.format {
+                WeightFormat::K(k) => kquant::dequantize_row(k, row, out),
+                WeightFormat::Q5_0 => q5::dequantize_q5_0(row, out),
+                WeightFormat::Q5_1 => q5::dequantize_q5_1(row, out),
+                _ => {}
             }
             return;
         };
@@ -305,8 +315,17 @@ impl QuantMatrix {
     /// changes a result.
     pub fn matmul(&self, x: &[f32]) -> Buf {
         let m = x.len() / self.cols;
+        let features = cpu::detect();
         match self.format {
-            WeightFormat::K(k) => self.matmul_k(k, x, m),
+            WeightFormat::K(k) => {
+                self.matmul_pairs(x, m, kquant::quantize_row_q8k, kquant_dot(features, k))
+            }
+            WeightFormat::Q5_0 => {
+                self.matmul_pairs(x, m, |r| quantize_row(r, false), q5_dot(features, true))
+            }
+            WeightFormat::Q5_1 => {
+                self.matmul_pairs(x, m, |r| quantize_row(r, true), q5_dot(features, false))
+            }
             _ => {
                 let f = self.format.small().unwrap_or(BlockFormat::Q8_0);
                 if m <= WEIGHT_PARALLEL_MAX_ROWS {
@@ -318,18 +337,20 @@ impl QuantMatrix {
         }
     }
 
-    /// The product for a K-quant: the activation rows quantized to Q8_K once, then every
-    /// (weight row, activation row) dot product, the weight rows split among the threads
-    /// (each streamed once for all activation rows) or, for long prefills, the activation
-    /// rows. The split never changes a result.
-    fn matmul_k(&self, k: KFormat, x: &[f32], m: usize) -> Buf {
-        let dot = kquant_dot(cpu::detect(), k);
+    /// The product of the formats run one (weight row, activation row) dot product at a
+    /// time (K-quants, Q5_0, Q5_1): the activation rows quantized once by `quantize`, the
+    /// weight rows split among the threads (each streamed once for all activation rows) or,
+    /// for long prefills, the activation rows. The split never changes a result.
+    fn matmul_pairs<A: Sync>(
+        &self,
+        x: &[f32],
+        m: usize,
+        quantize: impl Fn(&[f32]) -> A + Sync,
+        dot: fn(&[u8], &A) -> f32,
+    ) -> Buf {
         let mut out = Buf::take(m * self.rows);
         if m <= WEIGHT_PARALLEL_MAX_ROWS {
-            let acts: Vec<kquant::Q8KRow> = x
-                .chunks_exact(self.cols)
-                .map(kquant::quantize_row_q8k)
-                .collect();
+            let acts: Vec<A> = x.chunks_exact(self.cols).map(&quantize).collect();
             let per_task = ROWS_PER_TASK.max(
                 self.rows
                     .div_ceil(rayon::current_num_threads() * TASKS_PER_THREAD)
@@ -372,10 +393,9 @@ impl QuantMatrix {
                 .for_each(|(task, dst)| {
                     let first = task * per_task;
                     let rows = dst.len() / self.rows;
-                    let acts: Vec<kquant::Q8KRow> = x
-                        [first * self.cols..(first + rows) * self.cols]
+                    let acts: Vec<A> = x[first * self.cols..(first + rows) * self.cols]
                         .chunks_exact(self.cols)
-                        .map(kquant::quantize_row_q8k)
+                        .map(&quantize)
                         .collect();
                     for r in 0..self.rows {
                         let w = self.weight_row(r);
@@ -672,6 +692,20 @@ fn dot4_kernel(features: cpu::Features, format: BlockFormat) -> Dot4 {
         BlockFormat::Q4_1 => |w, a| w.map(|w| dot_q4_1(w, a)),
         BlockFormat::Q4_0 => |w, a| w.map(|w| dot_q4_0(w, a)),
         BlockFormat::Q8_0 => |w, a| w.map(|w| dot_q8_0(w, a)),
+    }
+}
+
+/// The Q5_0 (`signed`) or Q5_1 dot product on the best tier `features` has.
+fn q5_dot(features: cpu::Features, signed: bool) -> Dot {
+    #[cfg(target_arch = "x86_64")]
+    if let Some(cpu) = features.avx2() {
+        return avx2::dot_q5(cpu, signed);
+    }
+    let _ = features;
+    if signed {
+        q5::dot_q5_0
+    } else {
+        q5::dot_q5_1
     }
 }
 

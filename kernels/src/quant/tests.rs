@@ -411,6 +411,13 @@ fn k_quants_compute_what_ggml_computes_bit_for_bit() {
                 let v = kquant::avx2::dot(cpu, format)(&row.weights, &a);
                 assert_eq!(v.to_bits(), row.dot.to_bits(), "{name} row {r}: AVX2 dot");
             }
+            let m = QuantMatrix::from_gguf(WeightFormat::K(format), 1, row.x.len(), &row.weights)
+                .expect("sizes");
+            assert_eq!(
+                m.matmul(&row.x)[0].to_bits(),
+                row.dot.to_bits(),
+                "{name} row {r}: matmul"
+            );
             let mut back = vec![0f32; row.x.len()];
             kquant::dequantize_row(format, &row.weights, &mut back);
             let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
@@ -455,6 +462,38 @@ fn the_32_value_formats_compute_what_ggml_computes_bit_for_bit() {
                 bits(&back),
                 bits(&row.dequantized),
                 "{name} row {r}: dequantized"
+            );
+        }
+    }
+}
+
+#[test]
+fn the_5_bit_formats_compute_what_ggml_computes_bit_for_bit() {
+    for (format, name) in [(WeightFormat::Q5_0, "q5_0"), (WeightFormat::Q5_1, "q5_1")] {
+        let signed = format == WeightFormat::Q5_0;
+        for (r, row) in ggml::rows(name).iter().enumerate() {
+            let a = quantize_row(&row.x, !signed);
+            let mut dots = vec![if signed { q5::dot_q5_0 } else { q5::dot_q5_1 }];
+            #[cfg(target_arch = "x86_64")]
+            dots.extend(cpu::detect().avx2().map(|cpu| avx2::dot_q5(cpu, signed)));
+            for dot in dots {
+                let got = dot(&row.weights, &a);
+                assert_eq!(got.to_bits(), row.dot.to_bits(), "{name} row {r}: dot");
+            }
+            let m = QuantMatrix::from_gguf(format, 1, row.x.len(), &row.weights).expect("sizes");
+            let mut back = vec![0f32; row.x.len()];
+            m.dequantize_row(0, &mut back);
+            let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+            assert_eq!(
+                bits(&back),
+                bits(&row.dequantized),
+                "{name} row {r}: dequantized"
+            );
+            let out = m.matmul(&row.x);
+            assert_eq!(
+                out[0].to_bits(),
+                row.dot.to_bits(),
+                "{name} row {r}: matmul"
             );
         }
     }

@@ -106,6 +106,10 @@ pub fn engine_args(spec: &LLMServiceSpec) -> Vec<String> {
         engine.max_num_batched_tokens.map(|v| v.to_string()),
     );
     flag("block-size", engine.block_size.map(|v| v.to_string()));
+    flag(
+        "quantization",
+        engine.quantization.map(|q| q.flag_value().to_string()),
+    );
     match engine.enable_prefix_caching {
         Some(true) => args.push("--enable-prefix-caching".into()),
         Some(false) => args.push("--no-enable-prefix-caching".into()),
@@ -132,7 +136,7 @@ pub fn served_model_name(svc: &LLMService) -> String {
 mod tests {
     use super::*;
 
-    use crate::llmservice::EngineSpec;
+    use crate::llmservice::{EngineSpec, Quantization};
 
     /// A spec with `engine` and, if given, GPUs of `gpu`.
     fn spec(engine: EngineSpec, gpu: Option<&str>) -> LLMServiceSpec {
@@ -155,13 +159,14 @@ mod tests {
             max_num_batched_tokens: Some(1024),
             block_size: Some(32),
             enable_prefix_caching: Some(false),
+            quantization: Some(Quantization::Q4K),
             extra_args: vec!["--seed".into(), "1".into()],
         };
         assert_eq!(
             engine_args(&spec(engine.clone(), None)).join(" "),
             "--tensor-parallel-size 2 --pipeline-parallel-size 1 --gpu-memory-utilization 0.85 \
              --max-model-len 4096 --max-num-seqs 64 --max-num-batched-tokens 1024 --block-size 32 \
-             --no-enable-prefix-caching --seed 1"
+             --quantization q4_k --no-enable-prefix-caching --seed 1"
         );
         assert!(engine_args(&spec(EngineSpec::default(), None)).is_empty());
         // GPUs requested: the engine is told, before the user's extra arguments.

@@ -137,9 +137,43 @@ pub struct EngineSpec {
     /// `--no-enable-prefix-caching`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub enable_prefix_caching: Option<bool>,
+    /// Quantize the checkpoint's floating-point weights while loading (`--quantization`),
+    /// to one of llama.cpp's block formats; weights a GGUF file stores quantized are kept.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub quantization: Option<Quantization>,
     /// Further engine flags, appended verbatim.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub extra_args: Vec<String>,
+}
+
+/// Quantize the checkpoint's floating-point weights while loading (`--quantization`) to
+/// one of llama.cpp's block formats; weights a GGUF file stores quantized are kept.
+#[derive(Deserialize, Serialize, Clone, Copy, Debug, PartialEq, Eq, JsonSchema)]
+pub enum Quantization {
+    /// 8-bit blocks of 32 with an f16 scale (llama.cpp's Q8_0): closest to the original.
+    #[serde(rename = "q8_0")]
+    Q8_0,
+    /// 4-bit blocks of 32 with an f16 scale (Q4_0).
+    #[serde(rename = "q4_0")]
+    Q4_0,
+    /// 4-bit super-blocks of 256 with 6-bit scales and minimums (Q4_K).
+    #[serde(rename = "q4_k")]
+    Q4K,
+    /// 6-bit super-blocks of 256 (Q6_K).
+    #[serde(rename = "q6_k")]
+    Q6K,
+}
+
+impl Quantization {
+    /// The engine's `--quantization` value.
+    pub fn flag_value(self) -> &'static str {
+        match self {
+            Quantization::Q8_0 => "q8_0",
+            Quantization::Q4_0 => "q4_0",
+            Quantization::Q4K => "q4_k",
+            Quantization::Q6K => "q6_k",
+        }
+    }
 }
 
 /// Autoscaling on latency and queue depth.

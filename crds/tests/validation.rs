@@ -5,7 +5,7 @@ use std::path::Path;
 
 use ferrite_crds::LLMService;
 use ferrite_testcluster::{install_crds, TestCluster};
-use kube::api::{Api, PostParams};
+use kube::api::{Api, ApiResource, DynamicObject, PostParams};
 use serde_json::{json, Value};
 
 fn manifest(name: &str, spec: Value) -> LLMService {
@@ -41,7 +41,8 @@ async fn api_server_refuses_invalid_manifests_naming_the_field() {
         "valid",
         json!({
             "model": {"source": "hf://HuggingFaceTB/SmolLM2-135M-Instruct", "revision": "main"},
-            "engine": {"gpuMemoryUtilization": 1.0, "maxNumSeqs": 8, "blockSize": 16},
+            "engine": {"gpuMemoryUtilization": 1.0, "maxNumSeqs": 8, "blockSize": 16,
+                       "quantization": "q4_k"},
             "replicas": 2,
             "autoscaling": {"minReplicas": 1, "maxReplicas": 4, "targetTTFTSeconds": 0.5,
                             "ttftQuantile": 0.9, "targetQueueDepth": 4},
@@ -179,4 +180,27 @@ async fn api_server_refuses_invalid_manifests_naming_the_field() {
             "{name}: message names no field: {text}"
         );
     }
+
+    // A value the typed client cannot even write: a GPU quantization method, sent raw.
+    let raw = Api::<DynamicObject>::namespaced_with(
+        api.clone().into_client(),
+        &ns,
+        &ApiResource::erase::<LLMService>(&()),
+    );
+    let fp8: DynamicObject = serde_json::from_value(json!({
+        "apiVersion": "serving.ferrite.dev/v1alpha1",
+        "kind": "LLMService",
+        "metadata": {"name": "quant-fp8"},
+        "spec": {"model": hf(), "engine": {"quantization": "fp8"}},
+    }))
+    .expect("a dynamic object");
+    let err = raw
+        .create(&PostParams::default(), &fp8)
+        .await
+        .expect_err("fp8 must be refused");
+    let text = err.to_string();
+    assert!(
+        text.contains("spec.engine.quantization") && text.contains("\"q4_k\""),
+        "{text}"
+    );
 }

@@ -502,3 +502,68 @@ fn a_one_token_prompt_has_nothing_to_score_and_other_requests_get_no_scores() {
         None
     );
 }
+
+/// The tiny F16 model rewritten with every matrix in BF16 (exactly: the values are f16),
+/// at `path`.
+fn write_bf16_copy(path: &std::path::Path) {
+    use candle_core::quantized::{gguf_file, GgmlDType, QTensor};
+    let src = common::fixture("tiny/tiny-F16.gguf");
+    let mut file = std::fs::File::open(&src).expect("opens");
+    let content = gguf_file::Content::read(&mut file).expect("GGUF");
+    let mut tensors = Vec::new();
+    for name in content.tensor_infos.keys() {
+        let q = content
+            .tensor(&mut file, name, &Device::Cpu)
+            .expect("reads");
+        let q = if q.shape().dims().len() == 2 {
+            let t = q.dequantize(&Device::Cpu).expect("decodes");
+            QTensor::quantize(&t, GgmlDType::BF16).expect("to BF16")
+        } else {
+            q
+        };
+        tensors.push((name.clone(), q));
+    }
+    let metadata: Vec<(&str, &gguf_file::Value)> = content
+        .metadata
+        .iter()
+        .map(|(k, v)| (k.as_str(), v))
+        .collect();
+    let tensors: Vec<(&str, &QTensor)> = tensors.iter().map(|(n, q)| (n.as_str(), q)).collect();
+    let mut out = std::fs::File::create(path).expect("creates");
+    gguf_file::write(&mut out, &metadata, &tensors).expect("writes");
+}
+
+#[test]
+fn every_weight_format_gives_each_request_its_tokens_alone_beside_fifteen_others() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let bf16 = dir.path().join("tiny-BF16.gguf");
+    write_bf16_copy(&bf16);
+    let mut models: Vec<std::path::PathBuf> = std::fs::read_dir(common::fixture("tiny"))
+        .expect("tiny models")
+        .map(|e| e.expect("entry").path())
+        .collect();
+    models.sort();
+    models.push(bf16);
+    // Prompts of 1 to 40 tokens from the tiny vocabulary.
+    let ps: Vec<Vec<u32>> = (0..16)
+        .map(|i| {
+            (0..1 + (i * 13) % 40)
+                .map(|j| ((i * 31 + j * 7) % 133) as u32)
+                .collect()
+        })
+        .collect();
+    for path in &models {
+        let m = load(path, &Device::Cpu).expect("loads");
+        let want: Vec<Vec<u32>> = ps.iter().map(|p| alone(&m, p, 8)).collect();
+        let engine = EngineHandle::start(
+            m,
+            EngineConfig {
+                max_model_len: Some(64),
+                kv_cache_memory: Some(16 << 20),
+                ..EngineConfig::default()
+            },
+        )
+        .expect("engine starts");
+        assert_eq!(batched(&engine, &ps, 8), want, "{}", path.display());
+    }
+}

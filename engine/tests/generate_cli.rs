@@ -26,7 +26,7 @@ fn out_of_range_flags_are_refused_naming_the_flag_and_its_range() {
     let blank = dir.path().join("blank.txt");
     std::fs::write(&blank, "\n  \n").expect("write");
     let blank = blank.to_string_lossy().into_owned();
-    let cases: [(&[&str], &str); 6] = [
+    let cases: [(&[&str], &str); 8] = [
         (
             &["--prompt", "hi", "--num-prompts", "0"],
             "--num-prompts must be at least 1, got 0",
@@ -48,6 +48,15 @@ fn out_of_range_flags_are_refused_naming_the_flag_and_its_range() {
             "--max-model-len must be at least 1",
         ),
         (&["--prompt", "hi", "--logit-bias", "5"], "expected ID=BIAS"),
+        (
+            &["--prompt", "hi", "--quantization", "fp8"],
+            "--quantization fp8: fp8 is a GPU quantization method and this engine computes on \
+             CPU; quantize at load to one of q8_0, q4_0, q4_k, q6_k",
+        ),
+        (
+            &["--prompt", "hi", "--quantization", "q3"],
+            "--quantization q3: unknown method; expected one of q8_0, q4_0, q4_k, q6_k",
+        ),
     ];
     for (args, want) in cases {
         let (ok, out) = generate(args);

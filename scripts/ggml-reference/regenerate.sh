@@ -36,7 +36,7 @@ mkdir -p "$FIX"
 PYTHONPATH="$LLAMA_DIR/gguf-py" "$PY" "$ROOT/scripts/ggml-reference/tiny_model.py" "$OUT/tiny-f32.gguf"
 PROMPTS='[[10, 20, 30, 40, 50], [104, 101, 108, 108, 111, 32, 119, 111, 114, 108, 100], [7, 100, 13, 99, 130, 1, 45, 45, 45, 120, 3, 77, 88, 127, 0, 12, 110, 60, 61, 62, 63, 64], [129, 33], [65]]'
 CASES="[]"
-for q in Q2_K Q3_K_M Q4_K_M Q5_K_M Q6_K Q5_0 Q5_1; do
+for q in Q2_K Q3_K_M Q4_K_M Q5_K_M Q6_K Q5_0 Q5_1 F16; do
   "$LLAMA_DIR/build/bin/llama-quantize" "$OUT/tiny-f32.gguf" "$FIX/tiny-$q.gguf" "$q" > /dev/null 2>&1
   PORT=$("$PY" -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])')
   "$LLAMA_DIR/build/bin/llama-server" -m "$FIX/tiny-$q.gguf" --no-repack -fa on -t 2 -ub 1 -c 512 \
@@ -48,4 +48,10 @@ for q in Q2_K Q3_K_M Q4_K_M Q5_K_M Q6_K Q5_0 Q5_1; do
   CASES=$("$PY" -c 'import json,sys; print(json.dumps(json.loads(sys.argv[1]) + json.loads(sys.argv[2])))' "$CASES" "$MORE")
 done
 echo "$CASES" | "$PY" -m json.tool --indent 1 > "$ROOT/tests/fixtures/tiny-llamacpp-greedy.json"
+
+# The F16 model quantized by llama-quantize, every matrix in one format (--pure): what
+# --quantization must reproduce block for block from the same F16 weights.
+for q in Q8_0 Q4_K; do
+  "$LLAMA_DIR/build/bin/llama-quantize" --pure "$FIX/tiny-F16.gguf" "$FIX/tiny-F16-pure-$q.gguf" "$q" > /dev/null 2>&1
+done
 echo "wrote tests/fixtures/tiny/*.gguf and tests/fixtures/tiny-llamacpp-greedy.json"

@@ -1,15 +1,15 @@
 //! GGUF files (llama.cpp's format): header, metadata and quantized tensors, checked up front.
 
 use std::fs::File;
-use std::io::BufReader;
+use std::io::{BufReader, Read, Seek, SeekFrom};
 use std::path::{Path, PathBuf};
 
-use candle_core::quantized::{gguf_file, GgmlDType, QMatMul, QTensor};
+use candle_core::quantized::{gguf_file, GgmlDType, QTensor};
 use candle_core::{DType, Device, Tensor};
 
-use super::weights::{Matmul, WeightName, WeightSource};
+use super::weights::{WeightName, WeightSource};
 use crate::error::{Error, Result};
-use ferrite_kernels::quant::{KFormat, QuantMatrix, WeightFormat};
+use ferrite_kernels::quant::{FloatFormat, KFormat, QuantMatrix, WeightFormat};
 
 /// Tensor types the loader accepts, as named in error messages.
 pub const SUPPORTED_TYPES: &str =
@@ -113,27 +113,60 @@ impl WeightSource for GgufFile {
             .all(|t| t.ggml_dtype == GgmlDType::F32)
     }
 
-    fn matmul(&mut self, name: WeightName, (r, c): (usize, usize)) -> Result<Matmul> {
-        let t = self.qtensor(name, &[r, c])?;
-        let format = match t.dtype() {
-            GgmlDType::Q4_0 => Some(WeightFormat::Q4_0),
-            GgmlDType::Q4_1 => Some(WeightFormat::Q4_1),
-            GgmlDType::Q8_0 => Some(WeightFormat::Q8_0),
-            GgmlDType::Q5_0 => Some(WeightFormat::Q5_0),
-            GgmlDType::Q5_1 => Some(WeightFormat::Q5_1),
-            GgmlDType::Q2K => Some(WeightFormat::K(KFormat::Q2K)),
-            GgmlDType::Q3K => Some(WeightFormat::K(KFormat::Q3K)),
-            GgmlDType::Q4K => Some(WeightFormat::K(KFormat::Q4K)),
-            GgmlDType::Q5K => Some(WeightFormat::K(KFormat::Q5K)),
-            GgmlDType::Q6K => Some(WeightFormat::K(KFormat::Q6K)),
-            _ => None,
+    fn matmul(&mut self, name: WeightName, (r, c): (usize, usize)) -> Result<QuantMatrix> {
+        let key = name.gguf();
+        let Some(info) = self.content.tensor_infos.get(&key) else {
+            return Err(Error::model(&self.path, format!("missing tensor `{key}`")));
         };
-        if let Some(format) = format {
-            if let Some(m) = QuantMatrix::from_gguf(format, r, c, &t.data()?) {
-                return Ok(Matmul::Quant(m));
-            }
+        if info.shape.dims() != [r, c] {
+            return Err(Error::model(
+                &self.path,
+                format!(
+                    "tensor `{key}` has shape {:?}, expected {:?}",
+                    info.shape.dims(),
+                    [r, c]
+                ),
+            ));
         }
-        Ok(Matmul::Candle(QMatMul::from_qtensor(t)?))
+        let dtype = info.ggml_dtype;
+        let format = match dtype {
+            GgmlDType::Q4_0 => WeightFormat::Q4_0,
+            GgmlDType::Q4_1 => WeightFormat::Q4_1,
+            GgmlDType::Q8_0 => WeightFormat::Q8_0,
+            GgmlDType::Q5_0 => WeightFormat::Q5_0,
+            GgmlDType::Q5_1 => WeightFormat::Q5_1,
+            GgmlDType::Q2K => WeightFormat::K(KFormat::Q2K),
+            GgmlDType::Q3K => WeightFormat::K(KFormat::Q3K),
+            GgmlDType::Q4K => WeightFormat::K(KFormat::Q4K),
+            GgmlDType::Q5K => WeightFormat::K(KFormat::Q5K),
+            GgmlDType::Q6K => WeightFormat::K(KFormat::Q6K),
+            GgmlDType::F32 => WeightFormat::Float(FloatFormat::F32),
+            GgmlDType::F16 => WeightFormat::Float(FloatFormat::F16),
+            GgmlDType::BF16 => WeightFormat::Float(FloatFormat::BF16),
+            other => {
+                return Err(Error::model(
+                    &self.path,
+                    format!("tensor `{key}` has type {other:?}; supported: {SUPPORTED_TYPES}"),
+                ))
+            }
+        };
+        // Read straight into the matrix's own buffer: one copy of the bytes, no more.
+        let len = r * c / dtype.block_size() * dtype.type_size();
+        let mut bytes = vec![0u8; len];
+        let at = self.content.tensor_data_offset + info.offset;
+        self.reader
+            .seek(SeekFrom::Start(at))
+            .and_then(|_| self.reader.read_exact(&mut bytes))
+            .map_err(|e| Error::model(&self.path, format!("tensor `{key}`: cannot read: {e}")))?;
+        QuantMatrix::from_gguf_vec(format, r, c, bytes).ok_or_else(|| {
+            Error::model(
+                &self.path,
+                format!(
+                    "tensor `{key}` ({dtype:?}, {r}x{c}) has rows that are not a whole number \
+                     of its blocks"
+                ),
+            )
+        })
     }
 
     fn vector(&mut self, name: WeightName, len: usize) -> Result<Tensor> {

@@ -6,7 +6,6 @@
 //! three stages — [`Llama::embed`], [`Llama::run_layers`] over any range of [`Block`]s,
 //! [`Llama::head`] — so a pipeline stage can run just its own layers.
 
-use candle_core::quantized::QMatMul;
 use candle_core::{DType, Device, Tensor};
 use rayon::prelude::*;
 
@@ -16,7 +15,7 @@ use ferrite_kernels::quant::QuantMatrix;
 use ferrite_kernels::rows_per_task;
 
 use super::config::{Architecture, ModelConfig, RopeStyle};
-use super::weights::{Matmul, WeightName, WeightSource};
+use super::weights::{WeightName, WeightSource};
 use crate::error::{Error, RequestError, Result};
 
 /// One sequence's share of a flattened batch.
@@ -60,21 +59,21 @@ pub trait KvCache {
 /// A projection, optionally with a bias (Qwen2's Q/K/V).
 #[derive(Debug, Clone)]
 struct Linear {
-    weight: Matmul,
+    weight: QuantMatrix,
     bias: Option<Vec<f32>>,
 }
 
 impl Linear {
-    /// `x` (row-major rows of `cols` values) times the transposed weight, plus the bias, as
-    /// row-major values.
-    fn forward(&self, x: &[f32], cols: usize, device: &Device) -> Result<Buf> {
-        let mut y = self.weight.forward_rows(x, cols, device)?;
+    /// `x` (row-major rows of the weight's width) times the transposed weight, plus the
+    /// bias, as row-major values.
+    fn forward(&self, x: &[f32]) -> Buf {
+        let mut y = self.weight.matmul(x);
         if let Some(bias) = &self.bias {
             for row in y.chunks_exact_mut(bias.len().max(1)) {
                 row.iter_mut().zip(bias).for_each(|(y, b)| *y += b);
             }
         }
-        Ok(y)
+        y
     }
 }
 
@@ -88,21 +87,14 @@ enum Fanout {
     /// side, an unbiased part's stretch holding -0.0: adding it leaves every value as it is,
     /// the sign of a zero included.
     Stacked(Linear),
-    /// Each projection on its own (candle formats).
+    /// Each projection on its own (parts in different formats, as K-quant mixes have).
     Separate(Vec<Linear>),
 }
 
 impl Fanout {
     fn new(parts: Vec<Linear>) -> Self {
-        let quant: Option<Vec<&QuantMatrix>> = parts
-            .iter()
-            .map(|l| match &l.weight {
-                Matmul::Quant(w) => Some(w),
-                Matmul::Candle(_) => None,
-            })
-            .collect();
-        let (Some(weight), Some(quant)) = (quant.as_deref().and_then(QuantMatrix::stack), &quant)
-        else {
+        let quant: Vec<&QuantMatrix> = parts.iter().map(|l| &l.weight).collect();
+        let Some(weight) = QuantMatrix::stack(&quant) else {
             return Fanout::Separate(parts);
         };
         let bias = parts.iter().any(|l| l.bias.is_some()).then(|| {
@@ -112,24 +104,18 @@ impl Fanout {
                 .flat_map(|(w, l)| l.bias.clone().unwrap_or_else(|| vec![-0.0; w.rows()]))
                 .collect()
         });
-        Fanout::Stacked(Linear {
-            weight: Matmul::Quant(weight),
-            bias,
-        })
+        Fanout::Stacked(Linear { weight, bias })
     }
 
     /// All projections of row-major `x` (`[tokens, cols]`) as one row-major
     /// `[tokens, Σ widths]` vector: each token's outputs of every part, in the order given to
     /// [`Fanout::new`], biases added.
-    fn forward(&self, x: &[f32], cols: usize, device: &Device) -> Result<Buf> {
+    fn forward(&self, x: &[f32], cols: usize) -> Buf {
         let parts = match self {
-            Fanout::Stacked(stacked) => return stacked.forward(x, cols, device),
+            Fanout::Stacked(stacked) => return stacked.forward(x),
             Fanout::Separate(parts) => parts,
         };
-        let outs = parts
-            .iter()
-            .map(|l| l.forward(x, cols, device))
-            .collect::<Result<Vec<_>>>()?;
+        let outs: Vec<Buf> = parts.iter().map(|l| l.forward(x)).collect();
         let tokens = x.len() / cols.max(1);
         let mut y = Vec::with_capacity(outs.iter().map(|o| o.len()).sum());
         for t in 0..tokens {
@@ -138,58 +124,24 @@ impl Fanout {
                 y.extend_from_slice(&out[t * width..(t + 1) * width]);
             }
         }
-        Ok(Buf::from_vec(y))
+        Buf::from_vec(y)
     }
 }
 
-/// The token embedding table.
+/// The token embedding table, in the file's encoding: rows decoded as they are looked up
+/// (the output projection's own matrix when the two are tied).
 #[derive(Debug, Clone)]
-enum Embedding {
-    /// In one of our quantized formats: rows decoded as they are looked up.
-    Quant(QuantMatrix),
-    /// Any other format, as f32 rows.
-    Dense(Tensor),
-}
+struct Embedding(QuantMatrix);
 
 impl Embedding {
-    /// The embedding held by `weight` — the output projection's own matrix when the two
-    /// are tied — and whether it is a copy of its own (a format of candle's, dequantized).
-    fn from_weight(weight: &Matmul) -> Result<(Self, bool)> {
-        Ok(match weight {
-            Matmul::Quant(q) => (Embedding::Quant(q.clone()), false),
-            Matmul::Candle(QMatMul::Tensor(t) | QMatMul::TensorF16(t)) => {
-                (Embedding::Dense(t.clone()), false)
-            }
-            Matmul::Candle(QMatMul::QTensor(q)) => {
-                (Embedding::Dense(q.dequantize(&q.device())?), true)
-            }
-        })
-    }
-
     /// The rows of `ids` (each within the vocabulary), one after another.
-    fn rows(&self, ids: &[u32], device: &Device) -> Result<Buf> {
-        match self {
-            Embedding::Quant(q) => {
-                let h = q.cols();
-                let mut x = Buf::take(ids.len() * h);
-                for (&id, row) in ids.iter().zip(x.chunks_exact_mut(h)) {
-                    q.dequantize_row(id as usize, row);
-                }
-                Ok(x)
-            }
-            Embedding::Dense(t) => {
-                let ids = Tensor::from_slice(ids, ids.len(), device)?;
-                Ok(Buf::from_vec(to_f32_vec(&t.index_select(&ids, 0)?)?))
-            }
+    fn rows(&self, ids: &[u32]) -> Buf {
+        let h = self.0.cols();
+        let mut x = Buf::take(ids.len() * h);
+        for (&id, row) in ids.iter().zip(x.chunks_exact_mut(h)) {
+            self.0.dequantize_row(id as usize, row);
         }
-    }
-
-    /// Bytes its table occupies.
-    fn bytes(&self) -> usize {
-        match self {
-            Embedding::Quant(q) => q.gguf_bytes(),
-            Embedding::Dense(t) => t.elem_count() * t.dtype().size_in_bytes(),
-        }
+        x
     }
 }
 
@@ -241,23 +193,23 @@ impl Block {
         y: Buf,
     ) -> Result<Buf> {
         let c = &m.config;
-        let qkv = self.qkv.forward(&y, c.hidden_size, &m.device)?;
+        let qkv = self.qkv.forward(&y, c.hidden_size);
         drop(y);
         let [q, k, v] = m.split_qkv(&qkv, batch.positions);
         drop(qkv);
         let attn = cache.attend(layer, batch, &q, &k, &v)?;
         drop((q, k, v));
-        self.o.forward(&attn, c.num_heads * c.head_dim, &m.device)
+        Ok(self.o.forward(&attn))
     }
 
     /// `down(silu(gate(y)) * up(y))`.
     fn mlp(&self, m: &Llama, y: Buf) -> Result<Buf> {
         let c = &m.config;
-        let gate_up = self.gate_up.forward(&y, c.hidden_size, &m.device)?;
+        let gate_up = self.gate_up.forward(&y, c.hidden_size);
         drop(y);
         let act = swiglu_rows(&gate_up, c.intermediate_size);
         drop(gate_up);
-        self.down.forward(&act, c.intermediate_size, &m.device)
+        Ok(self.down.forward(&act))
     }
 
     /// The block's weight products in the order [`Block::forward`] runs them.
@@ -302,11 +254,11 @@ impl<'a> Product<'a> {
         }
     }
 
-    /// The product of row-major `x` (rows of [`Product::cols`] values) on `device`.
-    pub fn run(&self, x: &[f32], device: &Device) -> Result<Buf> {
+    /// The product of row-major `x` (rows of [`Product::cols`] values).
+    pub fn run(&self, x: &[f32]) -> Buf {
         match self.weights {
-            ProductWeights::Fanout(f) => f.forward(x, self.cols, device),
-            ProductWeights::Linear(l) => l.forward(x, self.cols, device),
+            ProductWeights::Fanout(f) => f.forward(x, self.cols),
+            ProductWeights::Linear(l) => l.forward(x),
         }
     }
 }
@@ -374,7 +326,7 @@ impl Llama {
         let mut bytes = 0usize;
         let mut linear = |src: &mut dyn WeightSource, name: WeightName, out: usize, inp: usize| {
             let weight = src.matmul(name, (out, inp))?;
-            bytes += weight.bytes();
+            bytes += weight.gguf_bytes();
             let bias = match (c.architecture, name) {
                 (Architecture::Qwen2, WeightName::Q(l)) => {
                     Some(to_f32_vec(&src.vector(WeightName::QBias(l), out)?)?)
@@ -417,7 +369,7 @@ impl Llama {
             weight: src.matmul(head_name, (c.vocab_size, h))?,
             bias: None,
         };
-        bytes += lm_head.weight.bytes();
+        bytes += lm_head.weight.gguf_bytes();
         // Untied, the embedding is a matrix of its own, packed with the others below; tied,
         // it is the output projection's.
         let mut embed_weight = match tied {
@@ -428,22 +380,21 @@ impl Llama {
         for b in &mut blocks {
             for fanout in [&mut b.qkv, &mut b.gate_up] {
                 match fanout {
-                    Fanout::Stacked(l) => quant.extend(l.weight.quant_mut()),
+                    Fanout::Stacked(l) => quant.push(&mut l.weight),
                     Fanout::Separate(parts) => {
-                        quant.extend(parts.iter_mut().filter_map(|l| l.weight.quant_mut()))
+                        quant.extend(parts.iter_mut().map(|l| &mut l.weight))
                     }
                 }
             }
-            quant.extend(b.o.weight.quant_mut());
-            quant.extend(b.down.weight.quant_mut());
+            quant.push(&mut b.o.weight);
+            quant.push(&mut b.down.weight);
         }
-        quant.extend(lm_head.weight.quant_mut());
-        quant.extend(embed_weight.as_mut().and_then(Matmul::quant_mut));
+        quant.push(&mut lm_head.weight);
+        quant.extend(embed_weight.as_mut());
         QuantMatrix::share_huge_pages(&mut quant);
-        let (embed, copied) =
-            Embedding::from_weight(embed_weight.as_ref().unwrap_or(&lm_head.weight))?;
+        let embed = Embedding(embed_weight.unwrap_or_else(|| lm_head.weight.clone()));
         // Memory of its own unless it shares the (counted) output projection's.
-        let resident_bytes = bytes + if tied && !copied { 0 } else { embed.bytes() };
+        let resident_bytes = bytes + if tied { 0 } else { embed.0.gguf_bytes() };
         let norm = to_f32_vec(&src.vector(WeightName::Norm, h)?)?;
         let device = src.device().clone();
         let kv_f16 = !src.is_f32();
@@ -561,7 +512,7 @@ impl Llama {
     pub fn embed(&self, batch: &Batch<'_>) -> Result<Buf> {
         let c = &self.config;
         check_batch(batch, c.max_position_embeddings, c.vocab_size)?;
-        self.embed.rows(batch.tokens, &self.device)
+        Ok(self.embed.rows(batch.tokens))
     }
 
     /// Runs layers `layers` on the residual stream `x` in place.
@@ -606,7 +557,7 @@ impl Llama {
         let normed = rms_norm(&x, h, &self.norm, c.rms_norm_eps as f32);
         drop(x);
         Ok(Logits {
-            values: self.lm_head.forward(&normed, h, &self.device)?,
+            values: self.lm_head.forward(&normed),
             vocab,
         })
     }
@@ -764,10 +715,7 @@ mod tests {
         }
         let weight = QuantMatrix::from_gguf(WeightFormat::Q8_0, rows, cols, &data).expect("sizes");
         let bias = bias.then(|| (0..rows).map(|i| i as f32 * 0.37 - 1.1).collect());
-        Linear {
-            weight: Matmul::Quant(weight),
-            bias,
-        }
+        Linear { weight, bias }
     }
 
     #[test]
@@ -809,13 +757,9 @@ mod tests {
         let x: Vec<f32> = (0..3 * 64)
             .map(|i| ((i * 11) % 19) as f32 / 19.0 - 0.5)
             .collect();
-        let dev = Device::Cpu;
-        let (got, want) = (
-            stacked.forward(&x, 64, &dev),
-            separate.forward(&x, 64, &dev),
-        );
+        let (got, want) = (stacked.forward(&x, 64), separate.forward(&x, 64));
         let bits = |v: Buf| v.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
-        assert_eq!(bits(got.expect("stacked")), bits(want.expect("separate")));
+        assert_eq!(bits(got), bits(want));
     }
 
     #[test]

@@ -13,8 +13,11 @@ use candle_core::Device;
 pub use config::{Architecture, ModelConfig, RopeStyle};
 pub use llama::Llama;
 
+use ferrite_kernels::quant::{KFormat, WeightFormat};
+
 use crate::error::{Error, Result};
 use crate::tokenizer::Tokenizer;
+use weights::WeightSource;
 
 /// A model ready to serve: weights, tokenizer and where they came from.
 #[derive(Debug)]
@@ -27,35 +30,133 @@ pub struct LoadedModel {
     pub path: PathBuf,
 }
 
+/// How to load a model.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct LoadOptions {
+    /// Quantize the floating-point matrices to this format as they are read
+    /// (`--quantization`); matrices the file stores quantized are kept.
+    pub quantization: Option<WeightFormat>,
+}
+
+/// `--quantization` names and the formats they quantize to, in the order they are listed.
+pub const QUANTIZATIONS: [(&str, WeightFormat); 4] = [
+    ("q8_0", WeightFormat::Q8_0),
+    ("q4_0", WeightFormat::Q4_0),
+    ("q4_k", WeightFormat::K(KFormat::Q4K)),
+    ("q6_k", WeightFormat::K(KFormat::Q6K)),
+];
+
+/// vLLM's `--quantization` methods that need a GPU (or a checkpoint quantized for one).
+const GPU_QUANTIZATIONS: [&str; 16] = [
+    "fp8",
+    "awq",
+    "awq_marlin",
+    "gptq",
+    "gptq_marlin",
+    "gptq_marlin_24",
+    "marlin",
+    "bitsandbytes",
+    "compressed-tensors",
+    "fbgemm_fp8",
+    "modelopt",
+    "modelopt_fp4",
+    "mxfp4",
+    "aqlm",
+    "deepspeedfp",
+    "experts_int8",
+];
+
+/// The format `--quantization NAME` quantizes to; the error names the flag, the value and
+/// the formats the CPU engine quantizes to.
+pub fn parse_quantization(name: &str) -> std::result::Result<WeightFormat, String> {
+    let lower = name.trim().to_ascii_lowercase();
+    if let Some((_, f)) = QUANTIZATIONS.iter().find(|(n, _)| *n == lower) {
+        return Ok(*f);
+    }
+    let allowed = QUANTIZATIONS.map(|(n, _)| n).join(", ");
+    Err(if GPU_QUANTIZATIONS.contains(&lower.as_str()) {
+        format!(
+            "--quantization {name}: {lower} is a GPU quantization method and this engine \
+             computes on CPU; quantize at load to one of {allowed}, or serve a GGUF file \
+             quantized in advance"
+        )
+    } else {
+        format!("--quantization {name}: unknown method; expected one of {allowed}")
+    })
+}
+
 /// Loads only the network from a GGUF file or an HF directory (no tokenizer needed).
 pub fn load_model(path: &Path, device: &Device) -> Result<Llama> {
-    match open(path, device)? {
-        Source::Gguf(mut file) => {
-            let config = ModelConfig::from_gguf(&file.content, path)?;
-            Llama::load(config, &mut file)
-        }
-        Source::Hf(dir) => load_hf(&dir, device),
-    }
+    load_model_with(path, device, &LoadOptions::default())
+}
+
+/// [`load_model`] with `options`.
+pub fn load_model_with(path: &Path, device: &Device, options: &LoadOptions) -> Result<Llama> {
+    let (model, _) = load_parts(path, device, options, false)?;
+    Ok(model)
 }
 
 /// Loads the network and its tokenizer.
 pub fn load(path: &Path, device: &Device) -> Result<LoadedModel> {
-    let (model, tokenizer) = match open(path, device)? {
-        Source::Gguf(mut file) => {
-            let config = ModelConfig::from_gguf(&file.content, path)?;
-            let tokenizer = Tokenizer::from_gguf(&file.content, path)?;
-            (Llama::load(config, &mut file)?, tokenizer)
-        }
-        Source::Hf(dir) => {
-            let tokenizer = Tokenizer::from_hf_dir(&dir)?;
-            (load_hf(&dir, device)?, tokenizer)
-        }
-    };
+    load_with(path, device, &LoadOptions::default())
+}
+
+/// [`load`] with `options`.
+pub fn load_with(path: &Path, device: &Device, options: &LoadOptions) -> Result<LoadedModel> {
+    let (model, tokenizer) = load_parts(path, device, options, true)?;
+    let tokenizer = tokenizer.ok_or_else(|| Error::internal("the tokenizer was not loaded"))?;
     Ok(LoadedModel {
         model,
         tokenizer,
         path: path.to_path_buf(),
     })
+}
+
+/// The network, and with `tokenizer` its tokenizer.
+fn load_parts(
+    path: &Path,
+    device: &Device,
+    options: &LoadOptions,
+    tokenizer: bool,
+) -> Result<(Llama, Option<Tokenizer>)> {
+    let (config, mut source, tk): (ModelConfig, Box<dyn WeightSource>, Option<Tokenizer>) =
+        match open(path, device)? {
+            Source::Gguf(file) => {
+                let config = ModelConfig::from_gguf(&file.content, path)?;
+                let tk = tokenizer
+                    .then(|| Tokenizer::from_gguf(&file.content, path))
+                    .transpose()?;
+                (config, Box::new(file), tk)
+            }
+            Source::Hf(dir) => {
+                let cfg_path = dir.join("config.json");
+                let text = std::fs::read_to_string(&cfg_path)
+                    .map_err(|e| Error::model(&cfg_path, format!("cannot read: {e}")))?;
+                let config = ModelConfig::from_hf_json(&text, &cfg_path)?;
+                let tk = tokenizer
+                    .then(|| Tokenizer::from_hf_dir(&dir))
+                    .transpose()?;
+                let weights = safetensors::SafetensorsWeights::load(&dir, device)?;
+                (config, Box::new(weights), tk)
+            }
+        };
+    let model = match options.quantization {
+        None => Llama::load(config, source.as_mut())?,
+        Some(format) => {
+            let mut q = weights::Quantizing::new(source.as_mut(), format);
+            let model = Llama::load(config, &mut q)?;
+            let c = q.counts;
+            tracing::info!(
+                "quantized at load to {format:?}: {} matrices, {} more in llama.cpp's fallback \
+                 format for rows that {format:?} blocks do not fit, {} kept in floating point",
+                c.quantized,
+                c.fallback,
+                c.kept
+            );
+            model
+        }
+    };
+    Ok((model, tk))
 }
 
 enum Source {
@@ -81,13 +182,4 @@ fn open(path: &Path, device: &Device) -> Result<Source> {
             "no such file or directory: expected a .gguf file or an HF model directory",
         ))
     }
-}
-
-fn load_hf(dir: &Path, device: &Device) -> Result<Llama> {
-    let cfg_path = dir.join("config.json");
-    let text = std::fs::read_to_string(&cfg_path)
-        .map_err(|e| Error::model(&cfg_path, format!("cannot read: {e}")))?;
-    let config = ModelConfig::from_hf_json(&text, &cfg_path)?;
-    let mut weights = safetensors::SafetensorsWeights::load(dir, device)?;
-    Llama::load(config, &mut weights)
 }

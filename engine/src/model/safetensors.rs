@@ -3,12 +3,12 @@
 use std::collections::{BTreeSet, HashMap};
 use std::path::{Path, PathBuf};
 
-use candle_core::quantized::QMatMul;
 use candle_core::{DType, Device, Tensor};
 use serde::Deserialize;
 
-use super::weights::{Matmul, WeightName, WeightSource};
+use super::weights::{WeightName, WeightSource};
 use crate::error::{Error, Result};
+use ferrite_kernels::quant::{FloatFormat, QuantMatrix, WeightFormat};
 
 /// All tensors of a checkpoint, converted to f32 on one device.
 #[derive(Debug)]
@@ -59,7 +59,7 @@ impl SafetensorsWeights {
                 .map_err(|e| Error::model(&file, format!("cannot load safetensors: {e}")))?;
             for (name, t) in loaded {
                 all_f32 &= t.dtype() == DType::F32;
-                tensors.insert(name, t.to_dtype(DType::F32)?);
+                tensors.insert(name, t);
             }
         }
         Ok(SafetensorsWeights {
@@ -139,11 +139,40 @@ impl WeightSource for SafetensorsWeights {
         self.all_f32
     }
 
-    fn matmul(&mut self, name: WeightName, (r, c): (usize, usize)) -> Result<Matmul> {
-        Ok(Matmul::Candle(QMatMul::Tensor(self.get(name, &[r, c])?)))
+    fn matmul(&mut self, name: WeightName, (r, c): (usize, usize)) -> Result<QuantMatrix> {
+        let t = self.get(name, &[r, c])?;
+        // Read once: the matrix moves into the model in its checkpoint's encoding.
+        self.tensors.remove(&name.hf());
+        let flat = t.flatten_all()?;
+        let (format, bytes): (FloatFormat, Vec<u8>) = match t.dtype() {
+            DType::BF16 => (
+                FloatFormat::BF16,
+                flat.to_vec1::<half::bf16>()?
+                    .iter()
+                    .flat_map(|v| v.to_le_bytes())
+                    .collect(),
+            ),
+            DType::F16 => (
+                FloatFormat::F16,
+                flat.to_vec1::<half::f16>()?
+                    .iter()
+                    .flat_map(|v| v.to_le_bytes())
+                    .collect(),
+            ),
+            _ => (
+                FloatFormat::F32,
+                flat.to_dtype(DType::F32)?
+                    .to_vec1::<f32>()?
+                    .iter()
+                    .flat_map(|v| v.to_le_bytes())
+                    .collect(),
+            ),
+        };
+        QuantMatrix::from_gguf(WeightFormat::Float(format), r, c, &bytes)
+            .ok_or_else(|| Error::internal("a float matrix whose bytes do not fill it"))
     }
 
     fn vector(&mut self, name: WeightName, len: usize) -> Result<Tensor> {
-        self.get(name, &[len])
+        Ok(self.get(name, &[len])?.to_dtype(DType::F32)?)
     }
 }

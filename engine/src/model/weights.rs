@@ -1,55 +1,9 @@
 //! Named weights of a Llama-family model, and the trait that GGUF and safetensors loaders implement.
 
-use candle_core::quantized::QMatMul;
-use candle_core::{DType, Device, Module, Tensor};
+use candle_core::{Device, Tensor};
 
 use crate::error::Result;
-use ferrite_kernels::buffers::Buf;
-use ferrite_kernels::quant::QuantMatrix;
-
-/// A weight matrix used as `x @ W^T`: our own kernel for the common GGUF block formats,
-/// candle's for everything else (K-quants, float checkpoints).
-#[derive(Debug, Clone)]
-pub enum Matmul {
-    /// Q4_0 / Q4_1 / Q8_0 blocks, ggml-exact arithmetic.
-    Quant(QuantMatrix),
-    /// Any other format, through candle.
-    Candle(QMatMul),
-}
-
-impl Matmul {
-    /// Row-major `x` (`[tokens, cols]`) times the transposed weight, as a row-major vector:
-    /// our kernel reads the rows where they are; candle's gets them as a tensor on `device`.
-    pub fn forward_rows(&self, x: &[f32], cols: usize, device: &Device) -> Result<Buf> {
-        match self {
-            Matmul::Quant(w) => Ok(w.matmul(x)),
-            Matmul::Candle(w) => {
-                let x = Tensor::from_slice(x, (x.len() / cols.max(1), cols), device)?;
-                let y = w.forward(&x)?.flatten_all()?.to_dtype(DType::F32)?;
-                Ok(Buf::from_vec(y.to_vec1::<f32>()?))
-            }
-        }
-    }
-
-    /// The weight, if it is one of our quantized formats.
-    pub fn quant_mut(&mut self) -> Option<&mut QuantMatrix> {
-        match self {
-            Matmul::Quant(w) => Some(w),
-            Matmul::Candle(_) => None,
-        }
-    }
-
-    /// Bytes one pass over the weight reads from memory.
-    pub fn bytes(&self) -> usize {
-        match self {
-            Matmul::Quant(w) => w.gguf_bytes(),
-            Matmul::Candle(QMatMul::QTensor(t)) => t.storage_size_in_bytes(),
-            Matmul::Candle(QMatMul::Tensor(t) | QMatMul::TensorF16(t)) => {
-                t.elem_count() * t.dtype().size_in_bytes()
-            }
-        }
-    }
-}
+use ferrite_kernels::quant::{quantize, QuantMatrix, WeightFormat};
 
 /// A weight of the network, independent of how a file format names it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -131,14 +85,92 @@ impl WeightName {
     }
 }
 
+/// A [`WeightSource`] whose floating-point matrices are quantized as they are read (the
+/// engine's `--quantization`): each becomes `format`'s blocks, written by ggml's reference
+/// quantizer ([`ferrite_kernels::quant::quantize`]), or the format `llama-quantize` falls
+/// back to where `format`'s blocks do not fit its rows
+/// ([`quantize::format_for`]). Matrices the file already stores quantized are kept.
+pub struct Quantizing<'a> {
+    inner: &'a mut dyn WeightSource,
+    format: WeightFormat,
+    /// What became of the float matrices.
+    pub counts: QuantizedCounts,
+}
+
+/// How many float matrices [`Quantizing`] turned into what.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct QuantizedCounts {
+    /// Quantized to the format asked for.
+    pub quantized: usize,
+    /// Quantized to llama.cpp's fallback format (rows not a whole number of blocks).
+    pub fallback: usize,
+    /// Kept in floating point (rows not a whole number of 32-value blocks).
+    pub kept: usize,
+}
+
+impl<'a> Quantizing<'a> {
+    /// Quantizes `inner`'s float matrices to `format` (one of
+    /// [`ferrite_kernels::quant::quantize::QUANTIZABLE`]).
+    pub fn new(inner: &'a mut dyn WeightSource, format: WeightFormat) -> Self {
+        Quantizing {
+            inner,
+            format,
+            counts: QuantizedCounts::default(),
+        }
+    }
+}
+
+impl WeightSource for Quantizing<'_> {
+    fn device(&self) -> &Device {
+        self.inner.device()
+    }
+
+    fn is_f32(&self) -> bool {
+        self.inner.is_f32()
+    }
+
+    fn matmul(&mut self, name: WeightName, (r, c): (usize, usize)) -> Result<QuantMatrix> {
+        let m = self.inner.matmul(name, (r, c))?;
+        if !matches!(m.format(), WeightFormat::Float(_)) {
+            return Ok(m);
+        }
+        let Some(format) = quantize::format_for(self.format, c) else {
+            self.counts.kept += 1;
+            return Ok(m);
+        };
+        let mut values = vec![0f32; c];
+        let mut bytes = Vec::with_capacity(r * c / format.block_values() * format.block_bytes());
+        for row in 0..r {
+            m.dequantize_row(row, &mut values);
+            bytes.extend(quantize::quantize_row(format, &values).ok_or_else(|| {
+                crate::error::Error::internal(format!("no quantizer for {format:?}"))
+            })?);
+        }
+        drop(m);
+        let q = QuantMatrix::from_gguf(format, r, c, &bytes).ok_or_else(|| {
+            crate::error::Error::internal("quantized bytes that do not fill the matrix")
+        })?;
+        if format == self.format {
+            self.counts.quantized += 1;
+        } else {
+            self.counts.fallback += 1;
+        }
+        Ok(q)
+    }
+
+    fn vector(&mut self, name: WeightName, len: usize) -> Result<Tensor> {
+        self.inner.vector(name, len)
+    }
+}
+
 /// A file format's view of the weights, producing tensors on one device.
 pub trait WeightSource {
     /// The device tensors are created on.
     fn device(&self) -> &Device;
     /// Whether every weight is stored in f32 (then the KV cache defaults to f32 too).
     fn is_f32(&self) -> bool;
-    /// A `[rows, cols]` matrix used as `x @ W^T`, kept quantized where the file is.
-    fn matmul(&mut self, name: WeightName, shape: (usize, usize)) -> Result<Matmul>;
+    /// A `[rows, cols]` matrix used as `x @ W^T`, kept in the file's encoding.
+    fn matmul(&mut self, name: WeightName, shape: (usize, usize)) -> Result<QuantMatrix>;
     /// A 1-D f32 tensor of `len` elements (norm weights, biases).
     fn vector(&mut self, name: WeightName, len: usize) -> Result<Tensor>;
 }

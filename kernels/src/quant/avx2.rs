@@ -4,6 +4,7 @@
 
 use std::arch::x86_64::*;
 
+use super::float::{self, FloatFormat};
 use super::portable::hsum8;
 use super::{f16_at, BlockFormat, Dot, Dot4, QuantizedRow, Tile, Unpacked, BLOCK};
 use crate::cpu::Avx2;
@@ -415,4 +416,98 @@ fn q5_avx2<const SIGNED: bool>(w: &[u8], a: &QuantizedRow) -> f32 {
         }
     }
     hsum8(lanes(acc)) + summs
+}
+
+/// Eight weights from `w` at value `i`, widened exactly.
+///
+/// # Safety
+/// `w` must hold eight values of `format` from value `i` on.
+#[inline]
+#[target_feature(enable = "avx2,f16c")]
+unsafe fn load_float(format: FloatFormat, w: *const u8, i: usize) -> __m256 {
+    // SAFETY: the caller guarantees eight readable values at `i`.
+    unsafe {
+        match format {
+            FloatFormat::F32 => _mm256_loadu_ps(w.add(4 * i).cast()),
+            FloatFormat::F16 => _mm256_cvtph_ps(_mm_loadu_si128(w.add(2 * i).cast())),
+            FloatFormat::BF16 => _mm256_castsi256_ps(_mm256_slli_epi32::<16>(
+                _mm256_cvtepu16_epi32(_mm_loadu_si128(w.add(2 * i).cast())),
+            )),
+        }
+    }
+}
+
+/// Eight 8-lane accumulators holding the 64 partial sums of [`float::LANES`], folded as
+/// the AVX-512 code folds its four 16-lane ones.
+#[inline]
+#[target_feature(enable = "avx2")]
+fn fold_float(a: [__m256; 8]) -> f32 {
+    let lo = _mm256_add_ps(_mm256_add_ps(a[0], a[4]), _mm256_add_ps(a[2], a[6]));
+    let hi = _mm256_add_ps(_mm256_add_ps(a[1], a[5]), _mm256_add_ps(a[3], a[7]));
+    let (lo, hi) = (lanes(lo), lanes(hi));
+    float::fold16(std::array::from_fn(
+        |l| if l < 8 { lo[l] } else { hi[l - 8] },
+    ))
+}
+
+/// Weight row `w` (in `format`, `x.len()` values) against activation row `x`, in the
+/// arithmetic of [`float`].
+pub(super) fn float_dot(cpu: Avx2, format: FloatFormat, w: &[u8], x: &[f32]) -> f32 {
+    let _ = cpu;
+    assert!(
+        w.len() >= x.len() * format.bytes(),
+        "weight row shorter than its input"
+    );
+    // SAFETY: `cpu` proves AVX2, FMA and F16C; the row holds `x.len()` values.
+    unsafe { float_dot_avx2(format, w.as_ptr(), x) }
+}
+
+/// A widened weight row against activation row `x`, in the arithmetic of [`float`].
+pub(super) fn float_dot_f32(cpu: Avx2, format: FloatFormat, w: &[f32], x: &[f32]) -> f32 {
+    let _ = cpu;
+    assert!(w.len() >= x.len(), "weight row shorter than its input");
+    // SAFETY: `cpu` proves AVX2, FMA and F16C; the row holds `x.len()` f32 values.
+    let folded = unsafe { float_sums_avx2(FloatFormat::F32, w.as_ptr().cast(), x) };
+    let whole = x.len() / float::LANES * float::LANES;
+    let tail = w[whole..x.len()]
+        .iter()
+        .copied()
+        .zip(x[whole..].iter().copied());
+    float::finish(format, folded, tail)
+}
+
+/// # Safety
+/// `w` must hold `x.len()` values of `format`.
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn float_dot_avx2(format: FloatFormat, w: *const u8, x: &[f32]) -> f32 {
+    // SAFETY: forwarded from the caller.
+    let folded = unsafe { float_sums_avx2(format, w, x) };
+    let whole = x.len() / float::LANES * float::LANES;
+    // SAFETY: the caller guarantees `x.len()` values of `format` at `w`.
+    let row = unsafe { std::slice::from_raw_parts(w, x.len() * format.bytes()) };
+    let tail = (whole..x.len()).map(|i| (format.at(row, i), x[i]));
+    float::finish(format, folded, tail)
+}
+
+/// The folded sum of the whole 64-value steps.
+///
+/// # Safety
+/// `w` must hold `x.len()` values of `format`.
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn float_sums_avx2(format: FloatFormat, w: *const u8, x: &[f32]) -> f32 {
+    let whole = x.len() / float::LANES * float::LANES;
+    let mut acc = [_mm256_setzero_ps(); 8];
+    let xp = x.as_ptr();
+    let mut i = 0;
+    while i < whole {
+        for (j, a) in acc.iter_mut().enumerate() {
+            // SAFETY: `i + 8 j + 8 <= whole <= x.len()` values of both rows.
+            unsafe {
+                let wv = load_float(format, w, i + 8 * j);
+                *a = _mm256_fmadd_ps(wv, _mm256_loadu_ps(xp.add(i + 8 * j)), *a);
+            }
+        }
+        i += float::LANES;
+    }
+    fold_float(acc)
 }

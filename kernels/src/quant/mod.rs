@@ -31,15 +31,18 @@ mod avx2;
 #[cfg(target_arch = "x86_64")]
 #[allow(unsafe_code)]
 mod avx512;
+pub mod float;
 pub mod kquant;
 pub(crate) mod portable;
 mod q5;
+pub mod quantize;
 #[cfg(target_arch = "x86_64")]
 #[allow(unsafe_code)]
 mod sse2;
 #[cfg(test)]
 mod tests;
 
+pub use float::FloatFormat;
 pub use kquant::KFormat;
 use portable::{dot_q4_0, dot_q4_1, dot_q8_0, nibbles, quantize_block, tile_portable};
 
@@ -61,6 +64,8 @@ pub enum WeightFormat {
     Q5_1,
     /// A K-quant: 256-value super-blocks of scaled sub-blocks.
     K(KFormat),
+    /// Floating-point values, one per "block".
+    Float(FloatFormat),
 }
 
 impl From<BlockFormat> for WeightFormat {
@@ -78,6 +83,7 @@ impl WeightFormat {
     pub const fn block_values(self) -> usize {
         match self {
             WeightFormat::K(_) => kquant::QK_K,
+            WeightFormat::Float(_) => 1,
             _ => BLOCK,
         }
     }
@@ -91,6 +97,7 @@ impl WeightFormat {
             WeightFormat::Q5_0 => q5::Q5_0_BYTES,
             WeightFormat::Q5_1 => q5::Q5_1_BYTES,
             WeightFormat::K(k) => k.block_bytes(),
+            WeightFormat::Float(f) => f.bytes(),
         }
     }
 
@@ -100,7 +107,10 @@ impl WeightFormat {
             WeightFormat::Q4_0 => Some(BlockFormat::Q4_0),
             WeightFormat::Q4_1 => Some(BlockFormat::Q4_1),
             WeightFormat::Q8_0 => Some(BlockFormat::Q8_0),
-            WeightFormat::Q5_0 | WeightFormat::Q5_1 | WeightFormat::K(_) => None,
+            WeightFormat::Q5_0
+            | WeightFormat::Q5_1
+            | WeightFormat::K(_)
+            | WeightFormat::Float(_) => None,
         }
     }
 }
@@ -206,6 +216,16 @@ const WEIGHT_PARALLEL_MAX_ROWS: usize = 32;
 impl QuantMatrix {
     /// Wraps GGUF block data of a `[rows, cols]` matrix; `None` if the sizes disagree.
     pub fn from_gguf(format: WeightFormat, rows: usize, cols: usize, data: &[u8]) -> Option<Self> {
+        Self::from_gguf_vec(format, rows, cols, data.to_vec())
+    }
+
+    /// [`QuantMatrix::from_gguf`] taking the bytes it is handed, without a copy.
+    pub fn from_gguf_vec(
+        format: WeightFormat,
+        rows: usize,
+        cols: usize,
+        data: Vec<u8>,
+    ) -> Option<Self> {
         let per_block = format.block_values();
         if !cols.is_multiple_of(per_block)
             || data.len() != rows * cols / per_block * format.block_bytes()
@@ -216,7 +236,7 @@ impl QuantMatrix {
             format,
             rows,
             cols,
-            data: Bytes::Own(data.to_vec()),
+            data: Bytes::Own(data),
         })
     }
 
@@ -264,6 +284,7 @@ impl QuantMatrix {
                 WeightFormat::K(k) => kquant::dequantize_row(k, row, out),
                 WeightFormat::Q5_0 => q5::dequantize_q5_0(row, out),
                 WeightFormat::Q5_1 => q5::dequantize_q5_1(row, out),
+                WeightFormat::Float(f) => f.widen(row, out),
                 _ => {}
             }
             return;
@@ -326,6 +347,7 @@ impl QuantMatrix {
             WeightFormat::Q5_1 => {
                 self.matmul_pairs(x, m, |r| quantize_row(r, true), q5_dot(features, false))
             }
+            WeightFormat::Float(f) => self.matmul_float(f, x, m),
             _ => {
                 let f = self.format.small().unwrap_or(BlockFormat::Q8_0);
                 if m <= WEIGHT_PARALLEL_MAX_ROWS {

@@ -323,6 +323,7 @@ mod ggml {
 
     /// One row of the fixture.
     pub(super) struct Row {
+        pub(super) w: Vec<f32>,
         pub(super) x: Vec<f32>,
         pub(super) weights: Vec<u8>,
         pub(super) activations: Vec<u8>,
@@ -358,6 +359,7 @@ mod ggml {
             .unwrap_or_else(|| panic!("no {name} in the fixture"))
             .iter()
             .map(|r| Row {
+                w: floats(&r["w"]),
                 x: floats(&r["x"]),
                 weights: bytes(&r["weights"]),
                 activations: bytes(&r["activations"]),
@@ -492,6 +494,226 @@ fn the_5_bit_formats_compute_what_ggml_computes_bit_for_bit() {
             let out = m.matmul(&row.x);
             assert_eq!(
                 out[0].to_bits(),
+                row.dot.to_bits(),
+                "{name} row {r}: matmul"
+            );
+        }
+    }
+}
+
+#[test]
+fn weights_quantized_at_load_are_the_blocks_llama_cpp_writes() {
+    for (format, name) in [
+        (WeightFormat::Q8_0, "q8_0"),
+        (WeightFormat::Q4_0, "q4_0"),
+        (WeightFormat::Q5_0, "q5_0"),
+        (WeightFormat::K(KFormat::Q4K), "q4_K"),
+        (WeightFormat::K(KFormat::Q6K), "q6_K"),
+    ] {
+        assert!(quantize::QUANTIZABLE.contains(&format));
+        for (r, row) in ggml::rows(name).iter().enumerate() {
+            let got = quantize::quantize_row(format, &row.w).expect("a quantizer");
+            assert_eq!(got, row.weights, "{name} row {r}");
+        }
+    }
+    assert_eq!(quantize::quantize_row(WeightFormat::Q5_1, &[0.0; 32]), None);
+    // llama-quantize's fallbacks for rows the asked-for blocks do not fit.
+    let q4k = WeightFormat::K(KFormat::Q4K);
+    let q6k = WeightFormat::K(KFormat::Q6K);
+    assert_eq!(quantize::format_for(q4k, 512), Some(q4k));
+    assert_eq!(quantize::format_for(q4k, 576), Some(WeightFormat::Q5_0));
+    assert_eq!(quantize::format_for(q6k, 576), Some(WeightFormat::Q8_0));
+    assert_eq!(quantize::format_for(q4k, 100), None);
+    assert_eq!(quantize::format_for(WeightFormat::Q8_0, 100), None);
+}
+
+/// Every float kernel this CPU has, portable first, with the tier's name.
+fn float_kernels() -> Vec<(&'static str, float::FloatKernel)> {
+    let features = cpu::detect();
+    let mut kernels = vec![("portable", float::FloatKernel::Portable)];
+    #[cfg(target_arch = "x86_64")]
+    {
+        kernels.extend(
+            features
+                .avx2()
+                .map(|c| ("avx2", float::FloatKernel::Avx2(c))),
+        );
+        kernels.extend(
+            features
+                .avx512()
+                .map(|c| ("avx512", float::FloatKernel::Avx512(c))),
+        );
+    }
+    let names: Vec<&str> = kernels.iter().map(|(n, _)| *n).collect();
+    eprintln!("float kernels checked on this CPU: {}", names.join(", "));
+    kernels
+}
+
+/// `n` values of `format` with edge values among them: zeros of both signs, large and
+/// tiny magnitudes (f16 subnormals), exact ties of the f16 rounding.
+fn float_row(format: FloatFormat, n: usize, salt: usize) -> (Vec<u8>, Vec<f32>) {
+    let mut values = Vec::with_capacity(n);
+    let mut bytes = Vec::with_capacity(n * format.bytes());
+    for i in 0..n {
+        let u = ((i * 7919 + salt * 104_729) % 2003) as f32 / 1001.5 - 1.0;
+        let v = match (i + salt) % 17 {
+            0 => 0.0,
+            1 => -0.0,
+            2 => u * 3.0e4,
+            3 => u * 3.0e-6,
+            _ => u * (1.0 + (i % 5) as f32),
+        };
+        let v = match format {
+            FloatFormat::F32 => {
+                bytes.extend(v.to_le_bytes());
+                v
+            }
+            FloatFormat::F16 => {
+                let h = f16::from_f32(v);
+                bytes.extend(h.to_le_bytes());
+                h.to_f32()
+            }
+            FloatFormat::BF16 => {
+                let b = half::bf16::from_f32(v);
+                bytes.extend(b.to_le_bytes());
+                b.to_f32()
+            }
+        };
+        values.push(v);
+    }
+    (bytes, values)
+}
+
+#[test]
+fn float_kernels_match_the_portable_code_bit_for_bit() {
+    let kernels = float_kernels();
+    for format in [FloatFormat::F32, FloatFormat::F16, FloatFormat::BF16] {
+        for n in [1, 63, 64, 100, 576, 1000] {
+            let rows: Vec<(Vec<u8>, Vec<f32>)> = (0..4).map(|s| float_row(format, n, s)).collect();
+            // Activations with f16 ties (odd multiples of 2^-11 near 1) and large values.
+            let x: Vec<f32> = (0..n)
+                .map(|i| match i % 9 {
+                    0 => 1.0 + (2 * (i % 50) + 1) as f32 * 2f32.powi(-11),
+                    1 => -7.0e3,
+                    _ => ((i * 37 % 101) as f32 - 50.0) * 0.013,
+                })
+                .collect();
+            let x = format.activations(&x);
+            let want: Vec<u32> = rows
+                .iter()
+                .map(|(w, _)| float::dot_portable(format, w, &x).to_bits())
+                .collect();
+            for (tier, kernel) in &kernels {
+                for (r, (w, values)) in rows.iter().enumerate() {
+                    assert_eq!(
+                        kernel.dot(format, w, &x).to_bits(),
+                        want[r],
+                        "{format:?} {n} values, {tier} dot of row {r}"
+                    );
+                    assert_eq!(
+                        float::dot_f32_portable(format, values, &x).to_bits(),
+                        want[r],
+                        "{format:?} {n} values: widened rows give the same sums"
+                    );
+                }
+                let quad = [0, 1, 2, 3].map(|r| &rows[r].1[..]);
+                let got = kernel.quad(format, quad, &x).map(f32::to_bits);
+                assert_eq!(got.to_vec(), want, "{format:?} {n} values, {tier} quad");
+            }
+        }
+    }
+}
+
+#[test]
+fn float_matrices_give_every_row_its_single_row_result_in_any_batch() {
+    let (rows, cols) = (38, 200);
+    for format in [FloatFormat::F32, FloatFormat::F16, FloatFormat::BF16] {
+        let (bytes, _) = float_row(format, rows * cols, 5);
+        let mat =
+            QuantMatrix::from_gguf(WeightFormat::Float(format), rows, cols, &bytes).expect("sizes");
+        for m in [
+            1,
+            2,
+            5,
+            WEIGHT_PARALLEL_MAX_ROWS,
+            WEIGHT_PARALLEL_MAX_ROWS + 1,
+            70,
+        ] {
+            let x: Vec<f32> = (0..m * cols)
+                .map(|i| ((i * 11) % 19) as f32 / 19.0 - 0.45)
+                .collect();
+            let out = mat.matmul(&x);
+            let acts = format.activations(&x);
+            for i in 0..m {
+                for r in 0..rows {
+                    let w = &bytes[r * cols * format.bytes()..(r + 1) * cols * format.bytes()];
+                    let want = float::dot_portable(format, w, &acts[i * cols..(i + 1) * cols]);
+                    assert_eq!(
+                        out[i * rows + r].to_bits(),
+                        want.to_bits(),
+                        "{format:?} batch of {m}: row {i}, output {r}"
+                    );
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn float_weights_compute_what_ggml_computes_bit_for_bit() {
+    let kernels = float_kernels();
+    for (format, name) in [
+        (FloatFormat::F16, "f16"),
+        (FloatFormat::F16, "f16/500"),
+        (FloatFormat::F32, "f32"),
+        (FloatFormat::F32, "f32/500"),
+        (FloatFormat::BF16, "bf16"),
+        (FloatFormat::BF16, "bf16/500"),
+    ] {
+        for (r, row) in ggml::rows(name).iter().enumerate() {
+            let n = row.x.len();
+            let m = QuantMatrix::from_gguf(WeightFormat::Float(format), 1, n, &row.weights)
+                .expect("sizes");
+            let mut back = vec![0f32; n];
+            m.dequantize_row(0, &mut back);
+            let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+            assert_eq!(
+                bits(&back),
+                bits(&row.dequantized),
+                "{name} row {r}: decoded"
+            );
+            if format == FloatFormat::BF16 {
+                // ggml rounds the activations to BF16 as well; ours stay f32, so the
+                // product is the F32 product of the exactly widened weights.
+                let f32_bytes: Vec<u8> = back.iter().flat_map(|v| v.to_le_bytes()).collect();
+                let want = float::dot_portable(FloatFormat::F32, &f32_bytes, &row.x);
+                assert_eq!(
+                    m.matmul(&row.x)[0].to_bits(),
+                    want.to_bits(),
+                    "{name} row {r}"
+                );
+                continue;
+            }
+            let acts = format.activations(&row.x);
+            let act_bytes: Vec<u8> = match format {
+                FloatFormat::F16 => acts
+                    .iter()
+                    .flat_map(|&v| f16::from_f32(v).to_le_bytes())
+                    .collect(),
+                _ => acts.iter().flat_map(|v| v.to_le_bytes()).collect(),
+            };
+            assert_eq!(act_bytes, row.activations, "{name} row {r}: activations");
+            for (tier, kernel) in &kernels {
+                let got = kernel.dot(format, &row.weights, &acts);
+                assert_eq!(
+                    got.to_bits(),
+                    row.dot.to_bits(),
+                    "{name} row {r}: {tier} dot {got} vs ggml's {}",
+                    row.dot
+                );
+            }
+            assert_eq!(
+                m.matmul(&row.x)[0].to_bits(),
                 row.dot.to_bits(),
                 "{name} row {r}: matmul"
             );

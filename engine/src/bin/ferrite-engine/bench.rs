@@ -10,11 +10,12 @@ use ferrite_engine::error::{ConfigError, Error, Result};
 use ferrite_engine::kv::cache::SingleSequence;
 use ferrite_engine::kv::KvDtype;
 use ferrite_engine::model::llama::Llama;
+use ferrite_engine::model::LoadedModel;
 use ferrite_engine::reference::generate;
 use ferrite_engine::sampling::SamplingParams;
 use ferrite_util::percentile;
 
-use crate::cli::BenchArgs;
+use crate::cli::{BenchArgs, ModelArgs};
 
 /// Text that prompts are cut from (public domain: the opening of *Moby-Dick*).
 const TEXT: &str = "Call me Ishmael. Some years ago, never mind how long precisely, having little or \
@@ -51,7 +52,7 @@ pub fn memory_bandwidth() -> f64 {
 
 /// Runs the benchmark and prints a markdown table.
 pub fn run(args: &BenchArgs) -> Result<()> {
-    let loaded = ferrite_engine::model::load(&args.model.model, &Device::Cpu)?;
+    let loaded = load(&args.model)?;
     let model = &loaded.model;
     let mut text = String::new();
     while loaded.tokenizer.encode(&text, false)?.len() < args.prompt_tokens {
@@ -252,8 +253,13 @@ struct Setup {
 /// Runs every setup `rounds` times, each round running each setup once in turn, so that
 /// the slow and fast phases of a shared machine fall on every row alike; returns each
 /// setup's runs in round order.
+/// The model `args` name, loaded as they say.
+fn load(args: &ModelArgs) -> Result<LoadedModel> {
+    ferrite_engine::model::load_with(&args.model, &Device::Cpu, &args.load.options())
+}
+
 fn measure(
-    path: &std::path::Path,
+    model_args: &ModelArgs,
     prompt: &[u32],
     setups: &[Setup],
     rounds: usize,
@@ -261,13 +267,11 @@ fn measure(
     let mut runs = vec![Vec::with_capacity(rounds); setups.len()];
     // The model whose products are timed (the engine of each run loads its own).
     let timed = setups.iter().any(|s| s.time_products);
-    let model = timed
-        .then(|| ferrite_engine::model::load(path, &Device::Cpu))
-        .transpose()?;
+    let model = timed.then(|| load(model_args)).transpose()?;
     for _ in 0..rounds.max(1) {
         for (s, runs) in setups.iter().zip(&mut runs) {
             let (config, len) = (s.config.clone(), prompt.len());
-            let mut load = run_load(path, config, prompt, s.clients, s.arrival, len)?;
+            let mut load = run_load(model_args, config, prompt, s.clients, s.arrival, len)?;
             if let (true, Some(loaded)) = (s.time_products, &model) {
                 load.products_s = Some(time_products(&loaded.model, s.clients)?);
             }
@@ -304,14 +308,14 @@ fn phases(requests: &[Received], elapsed: f64) -> Phases {
 }
 
 fn run_load(
-    path: &std::path::Path,
+    model_args: &ModelArgs,
     config: EngineConfig,
     prompt: &[u32],
     clients: usize,
     arrival: Arrival,
     len: usize,
 ) -> Result<Load> {
-    let loaded = ferrite_engine::model::load(path, &Device::Cpu)?;
+    let loaded = load(model_args)?;
     let fill = Arc::new(Mutex::new(PeakFill::default()));
     let watch = Box::new(WatchFill(Arc::clone(&fill)));
     let engine = EngineHandle::start_observed(loaded, config, Some(watch))?;
@@ -476,7 +480,6 @@ fn batching(args: &BenchArgs, mut prompt: Vec<u32>) -> Result<()> {
         }
         .into());
     }
-    let path = &args.model.model;
     let base = load_config(len);
     let rounds = args.repeat.max(1);
     // A load per concurrency, every one against the engine configured as `base`.
@@ -503,7 +506,7 @@ fn batching(args: &BenchArgs, mut prompt: Vec<u32>) -> Result<()> {
             time_products: false,
         });
     }
-    let runs = measure(path, &prompt, &burst, rounds)?;
+    let runs = measure(&args.model, &prompt, &burst, rounds)?;
     let median_note = if rounds > 1 {
         format!(" Each figure is the median of {rounds} rounds, each round running every row once in turn; × single is the ratio of the medians, with the lowest and highest of the rounds' own ratios in brackets.")
     } else {
@@ -539,7 +542,7 @@ fn batching(args: &BenchArgs, mut prompt: Vec<u32>) -> Result<()> {
     let steady = per_concurrency(Arrival::Staggered {
         rounds: args.rounds,
     });
-    let runs = measure(path, &prompt, &steady, rounds)?;
+    let runs = measure(&args.model, &prompt, &steady, rounds)?;
     println!();
     println!(
         "Steady traffic: clients join one at a time (each when the previous one's first token arrives) and send {} requests each back to back; TTFT from each request's submission.{median_note}",
@@ -592,18 +595,12 @@ fn time_products(model: &Llama, rows: usize) -> Result<f64> {
                 .collect::<Vec<f32>>()
         });
     }
-    let run = || {
-        rayon::scope(|_| {
-            model
-                .products()
-                .try_for_each(|p| p.run(&inputs[&p.cols], model.device()).map(drop))
-        })
-    };
-    run()?;
+    let run = || rayon::scope(|_| model.products().for_each(|p| drop(p.run(&inputs[&p.cols]))));
+    run();
     let mut times = Vec::with_capacity(PRODUCT_RUNS);
     for _ in 0..PRODUCT_RUNS {
         let t = Instant::now();
-        run()?;
+        run();
         times.push(t.elapsed().as_secs_f64());
     }
     times.sort_by(f64::total_cmp);

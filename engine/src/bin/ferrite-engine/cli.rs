@@ -6,7 +6,9 @@ use std::path::PathBuf;
 use clap::{Args, Parser, Subcommand, ValueEnum};
 use ferrite_engine::engine::{ComputeDevice, EngineConfig};
 use ferrite_engine::kv::KvDtype;
+use ferrite_engine::model::LoadOptions;
 use ferrite_engine::sampling::SamplingParams;
+use ferrite_kernels::quant::WeightFormat;
 
 /// Ferrite's inference engine.
 #[derive(Debug, Parser)]
@@ -75,6 +77,9 @@ pub struct ServeArgs {
     /// operator gives the pod; server flags (--host, --port, ...) still apply.
     #[arg(long, conflicts_with = "model")]
     pub from_manifest: Option<PathBuf>,
+    /// How the weights are held.
+    #[command(flatten)]
+    pub load: LoadArgs,
     /// HTTP.
     #[command(flatten)]
     pub server: ServerArgs,
@@ -92,6 +97,29 @@ pub struct ModelArgs {
     /// A GGUF file or a Hugging Face model directory (config.json, *.safetensors, tokenizer.json).
     #[arg(long, env = "FERRITE_MODEL")]
     pub model: PathBuf,
+    /// How the weights are held.
+    #[command(flatten)]
+    pub load: LoadArgs,
+}
+
+/// How the weights are held in memory.
+#[derive(Debug, Args)]
+pub struct LoadArgs {
+    /// Quantize the checkpoint's floating-point matrices while loading: q8_0, q4_0, q4_k or
+    /// q6_k (llama.cpp's block formats, with llama.cpp's quantizers); matrices a GGUF file
+    /// stores quantized are kept as they are. vLLM's GPU methods (fp8, awq, gptq, ...) are
+    /// refused.
+    #[arg(long, env = "FERRITE_QUANTIZATION", value_parser = ferrite_engine::model::parse_quantization)]
+    pub quantization: Option<WeightFormat>,
+}
+
+impl LoadArgs {
+    /// The load options these flags describe.
+    pub fn options(&self) -> LoadOptions {
+        LoadOptions {
+            quantization: self.quantization,
+        }
+    }
 }
 
 /// How large the KV cache is and how it is shared (vLLM's names).

@@ -44,7 +44,11 @@ pub fn run(args: GenerateArgs) -> Result<()> {
         (None, Some(p)) => vec![p.clone(); args.num_prompts],
         (None, None) => Vec::new(),
     };
-    let loaded = ferrite_engine::model::load(&args.model.model, &Device::Cpu)?;
+    let loaded = ferrite_engine::model::load_with(
+        &args.model.model,
+        &Device::Cpu,
+        &args.model.load.options(),
+    )?;
     let template = if args.chat {
         Some(loaded.tokenizer.chat_template()?)
     } else {

@@ -126,6 +126,7 @@ fn serve(args: ServeArgs) -> Result<()> {
         shutdown_timeout: std::time::Duration::from_secs(args.server.shutdown_timeout),
     };
     let engine_config = engine_config(&args.cache, &args.scheduler);
+    let load_options = args.load.options();
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
@@ -148,7 +149,8 @@ fn serve(args: ServeArgs) -> Result<()> {
         ));
         let load_state = Arc::clone(&state);
         tokio::task::spawn_blocking(move || -> Result<()> {
-            let loaded = ferrite_engine::model::load(&model_path, &Device::Cpu)?;
+            let loaded =
+                ferrite_engine::model::load_with(&model_path, &Device::Cpu, &load_options)?;
             let tokenizer = loaded.tokenizer.clone();
             let engine = EngineHandle::start(loaded, engine_config)?;
             load_state.set_ready(engine, tokenizer);

@@ -1,0 +1,208 @@
+//! `--quantization` turns a checkpoint's floating-point matrices into the blocks llama.cpp's
+//! own quantizer writes for the same weights: the tiny F16 model quantized at load computes
+//! exactly what `llama-quantize --pure` makes of it (committed under `tests/fixtures/tiny/`),
+//! and the same weights as an HF safetensors checkpoint hold the same blocks (HF keeps its
+//! own Q/K row order, so those products are compared row by row).
+
+mod common;
+
+use std::collections::HashMap;
+use std::path::Path;
+
+use candle_core::quantized::gguf_file;
+use candle_core::{DType, Device, Tensor};
+use ferrite_engine::model::llama::Llama;
+use ferrite_engine::model::{load_model, load_model_with, parse_quantization, LoadOptions};
+
+const IDS: [u32; 12] = [10, 20, 30, 40, 50, 104, 101, 108, 108, 111, 32, 119];
+
+fn quantized(path: &Path, name: &str) -> Llama {
+    let options = LoadOptions {
+        quantization: Some(parse_quantization(name).expect("a CPU format")),
+    };
+    load_model_with(path, &Device::Cpu, &options).expect("loads quantized")
+}
+
+fn logits(model: &Llama) -> Vec<Vec<f32>> {
+    common::prefill_logits(model, &IDS).expect("forward")
+}
+
+fn bits(rows: &[Vec<f32>]) -> Vec<Vec<u32>> {
+    rows.iter()
+        .map(|r| r.iter().map(|v| v.to_bits()).collect())
+        .collect()
+}
+
+#[test]
+fn quantizing_the_f16_model_at_load_reproduces_llama_quantize() {
+    let f16 = common::fixture("tiny/tiny-F16.gguf");
+    for (name, file) in [("q8_0", "Q8_0"), ("q4_k", "Q4_K")] {
+        let theirs = load_model(
+            &common::fixture(&format!("tiny/tiny-F16-pure-{file}.gguf")),
+            &Device::Cpu,
+        )
+        .expect("llama-quantize's file loads");
+        let ours = quantized(&f16, name);
+        assert_eq!(
+            ours.resident_weight_bytes(),
+            theirs.resident_weight_bytes(),
+            "{name}: the same blocks take the same bytes"
+        );
+        assert_eq!(
+            bits(&logits(&ours)),
+            bits(&logits(&theirs)),
+            "{name}: every logit equal to the bit"
+        );
+    }
+}
+
+/// The GGUF F16 model as an HF checkpoint: f16 safetensors under HF's names, Q/K rows back
+/// in HF's order (llama.cpp's converter interleaves each head's two halves).
+fn write_hf_from_gguf(gguf: &Path, dir: &Path) {
+    let mut file = std::fs::File::open(gguf).expect("opens");
+    let content = gguf_file::Content::read(&mut file).expect("GGUF");
+    let meta = |k: &str| content.metadata[k].to_u32().expect("a u32") as usize;
+    let (hidden, layers) = (meta("llama.embedding_length"), meta("llama.block_count"));
+    let (heads, kv_heads) = (
+        meta("llama.attention.head_count"),
+        meta("llama.attention.head_count_kv"),
+    );
+    let vocab = content.tensor_infos["token_embd.weight"].shape.dims()[0];
+    let mut read = |name: &str| {
+        content
+            .tensor(&mut file, name, &Device::Cpu)
+            .and_then(|q| q.dequantize(&Device::Cpu))
+            .unwrap_or_else(|e| panic!("{name}: {e}"))
+    };
+    let unpermute = |t: Tensor, heads: usize| {
+        let (rows, cols) = t.dims2().expect("2d");
+        t.reshape((heads, rows / heads / 2, 2, cols))
+            .and_then(|x| x.transpose(1, 2))
+            .and_then(|x| x.contiguous())
+            .and_then(|x| x.reshape((rows, cols)))
+            .expect("unpermute")
+    };
+    let mut tensors: HashMap<String, Tensor> = HashMap::new();
+    tensors.insert(
+        "model.embed_tokens.weight".into(),
+        read("token_embd.weight"),
+    );
+    tensors.insert("lm_head.weight".into(), read("output.weight"));
+    tensors.insert("model.norm.weight".into(), read("output_norm.weight"));
+    for l in 0..layers {
+        let p = format!("model.layers.{l}");
+        let b = format!("blk.{l}");
+        let q = unpermute(read(&format!("{b}.attn_q.weight")), heads);
+        let k = unpermute(read(&format!("{b}.attn_k.weight")), kv_heads);
+        for (hf, t) in [
+            ("self_attn.q_proj", q),
+            ("self_attn.k_proj", k),
+            ("self_attn.v_proj", read(&format!("{b}.attn_v.weight"))),
+            ("self_attn.o_proj", read(&format!("{b}.attn_output.weight"))),
+            ("mlp.gate_proj", read(&format!("{b}.ffn_gate.weight"))),
+            ("mlp.up_proj", read(&format!("{b}.ffn_up.weight"))),
+            ("mlp.down_proj", read(&format!("{b}.ffn_down.weight"))),
+            ("input_layernorm", read(&format!("{b}.attn_norm.weight"))),
+            (
+                "post_attention_layernorm",
+                read(&format!("{b}.ffn_norm.weight")),
+            ),
+        ] {
+            tensors.insert(format!("{p}.{hf}.weight"), t);
+        }
+    }
+    let tensors: HashMap<String, Tensor> = tensors
+        .into_iter()
+        .map(|(n, t)| {
+            let dtype = if t.rank() == 2 {
+                DType::F16
+            } else {
+                DType::F32
+            };
+            (n, t.to_dtype(dtype).expect("exact: the values are f16"))
+        })
+        .collect();
+    candle_core::safetensors::save(&tensors, dir.join("model.safetensors")).expect("save");
+    let config = serde_json::json!({
+        "architectures": ["LlamaForCausalLM"],
+        "hidden_size": hidden,
+        "intermediate_size": meta("llama.feed_forward_length"),
+        "num_hidden_layers": layers,
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv_heads,
+        "vocab_size": vocab,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 10000.0,
+        "max_position_embeddings": 512,
+        "tie_word_embeddings": false,
+    });
+    std::fs::write(dir.join("config.json"), config.to_string()).expect("config");
+}
+
+/// For each output of llama.cpp's Q/K/V product (interleaved Q/K rows), the output of the
+/// HF-ordered product that holds the same weight row.
+fn hf_order(heads: usize, kv_heads: usize, hd: usize) -> Vec<usize> {
+    let mut map = Vec::new();
+    for (base, heads) in [(0, heads), (heads * hd, kv_heads)] {
+        for h in 0..heads {
+            for i in 0..hd / 2 {
+                for p in 0..2 {
+                    map.push(base + h * hd + p * (hd / 2) + i);
+                }
+            }
+        }
+    }
+    map.extend((heads + kv_heads) * hd..(heads + 2 * kv_heads) * hd);
+    map
+}
+
+#[test]
+fn an_hf_checkpoint_quantized_at_load_holds_the_blocks_llama_quantize_writes() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    write_hf_from_gguf(&common::fixture("tiny/tiny-F16.gguf"), dir.path());
+    for (name, file) in [("q8_0", "Q8_0"), ("q4_k", "Q4_K")] {
+        let theirs = load_model(
+            &common::fixture(&format!("tiny/tiny-F16-pure-{file}.gguf")),
+            &Device::Cpu,
+        )
+        .expect("llama-quantize's file loads");
+        let ours = quantized(dir.path(), name);
+        assert_eq!(
+            ours.resident_weight_bytes(),
+            theirs.resident_weight_bytes(),
+            "{name}: HF weights quantized to the same number of blocks"
+        );
+        let c = theirs.config();
+        let qkv = hf_order(c.num_heads, c.num_kv_heads, c.head_dim);
+        let mut compared = 0;
+        for (p, (a, b)) in ours.products().zip(theirs.products()).enumerate() {
+            // Three input rows, so the batched kernels run too.
+            let x: Vec<f32> = (0..3 * a.cols)
+                .map(|i| ((i * 37 % 101) as f32 - 50.0) * 0.021)
+                .collect();
+            let (a, b) = (a.run(&x), b.run(&x));
+            let width = b.len() / 3;
+            for (t, (a, b)) in a.chunks_exact(width).zip(b.chunks_exact(width)).enumerate() {
+                for (o, want) in b.iter().enumerate() {
+                    // Every block's first product of a layer is Q/K/V.
+                    let at = if p % 4 == 0 && p / 4 < c.num_layers {
+                        qkv[o]
+                    } else {
+                        o
+                    };
+                    assert_eq!(
+                        a[at].to_bits(),
+                        want.to_bits(),
+                        "{name}: product {p}, row {t}, output {o}"
+                    );
+                }
+            }
+            compared += 1;
+        }
+        assert_eq!(
+            compared,
+            4 * c.num_layers + 1,
+            "{name}: every product compared"
+        );
+    }
+}

@@ -1,0 +1,312 @@
+//! Products with floating-point weights (F32, F16, BF16), in ggml's `ggml_vec_dot_f32` /
+//! `ggml_vec_dot_f16` arithmetic as its AVX-512 build runs it: each output is 64 partial
+//! sums in f32, one fused multiply-add per value over the columns in steps of 64, folded
+//! as `(p[l] + p[32+l]) + (p[16+l] + p[48+l])` into 16 lanes and those by halves
+//! (`_mm512_reduce_add_ps`), then the columns past the last whole step. F16 weights meet
+//! activations rounded to f16 (ggml's `vec_dot_type`) and add the leftover products in
+//! f64; F32 and BF16 weights meet the f32 activations (BF16 widened exactly, our own
+//! definition: ggml rounds the activations to BF16). Every tier computes that same
+//! arithmetic, so results are equal bit for bit between tiers and between batch sizes.
+
+use std::borrow::Cow;
+
+use rayon::prelude::*;
+
+use super::{
+    QuantMatrix, ACT_ROWS_PER_TASK, ROWS_PER_TASK, TASKS_PER_THREAD, TASK_OUTPUT_BYTES,
+    WEIGHT_PARALLEL_MAX_ROWS,
+};
+use crate::buffers::Buf;
+use crate::cpu;
+
+/// Partial sums per output: the values one step of the column loop covers.
+pub(crate) const LANES: usize = 64;
+
+/// A floating-point weight encoding.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FloatFormat {
+    /// IEEE single precision.
+    F32,
+    /// IEEE half precision.
+    F16,
+    /// bfloat16: the upper half of an f32.
+    BF16,
+}
+
+impl FloatFormat {
+    /// Bytes per value.
+    pub const fn bytes(self) -> usize {
+        match self {
+            FloatFormat::F32 => 4,
+            FloatFormat::F16 | FloatFormat::BF16 => 2,
+        }
+    }
+
+    /// Value `i` of a little-endian row, exactly.
+    #[inline(always)]
+    pub(crate) fn at(self, row: &[u8], i: usize) -> f32 {
+        match self {
+            FloatFormat::F32 => {
+                let b = &row[4 * i..4 * i + 4];
+                f32::from_le_bytes([b[0], b[1], b[2], b[3]])
+            }
+            FloatFormat::F16 => {
+                half::f16::from_bits(u16::from_le_bytes([row[2 * i], row[2 * i + 1]])).to_f32()
+            }
+            FloatFormat::BF16 => {
+                f32::from_bits(u32::from(u16::from_le_bytes([row[2 * i], row[2 * i + 1]])) << 16)
+            }
+        }
+    }
+
+    /// The row's values, exactly, into `out`.
+    pub(crate) fn widen(self, row: &[u8], out: &mut [f32]) {
+        match self {
+            FloatFormat::F32 => {
+                for (y, b) in out.iter_mut().zip(row.chunks_exact(4)) {
+                    *y = f32::from_le_bytes([b[0], b[1], b[2], b[3]]);
+                }
+            }
+            FloatFormat::F16 => {
+                for (y, b) in out.iter_mut().zip(row.chunks_exact(2)) {
+                    *y = half::f16::from_bits(u16::from_le_bytes([b[0], b[1]])).to_f32();
+                }
+            }
+            FloatFormat::BF16 => {
+                for (y, b) in out.iter_mut().zip(row.chunks_exact(2)) {
+                    *y = f32::from_bits(u32::from(u16::from_le_bytes([b[0], b[1]])) << 16);
+                }
+            }
+        }
+    }
+
+    /// The activation row as this format's dot product reads it: rounded to f16 (to
+    /// nearest, ties to even) for F16 weights, as it is otherwise.
+    pub(crate) fn activations(self, x: &[f32]) -> Cow<'_, [f32]> {
+        match self {
+            FloatFormat::F16 => {
+                Cow::Owned(x.iter().map(|&v| half::f16::from_f32(v).to_f32()).collect())
+            }
+            FloatFormat::F32 | FloatFormat::BF16 => Cow::Borrowed(x),
+        }
+    }
+}
+
+/// `_mm512_reduce_add_ps`'s order on 16 lanes: halves added lane by lane until one is left.
+#[inline(always)]
+pub(crate) fn fold16(c: [f32; 16]) -> f32 {
+    let s: [f32; 8] = std::array::from_fn(|i| c[i] + c[i + 8]);
+    let u: [f32; 4] = std::array::from_fn(|j| s[j] + s[j + 4]);
+    (u[0] + u[2]) + (u[1] + u[3])
+}
+
+/// The 64 partial sums of [`LANES`] folded to one, as ggml's `GGML_F32x16_REDUCE`.
+#[inline(always)]
+pub(crate) fn fold64(p: &[f32; LANES]) -> f32 {
+    fold16(std::array::from_fn(|l| {
+        (p[l] + p[32 + l]) + (p[16 + l] + p[48 + l])
+    }))
+}
+
+/// The folded sum plus the columns past the last whole step, each product rounded to f32
+/// and added in f64 for F16, in f32 otherwise.
+#[inline(always)]
+pub(crate) fn finish(
+    format: FloatFormat,
+    folded: f32,
+    tail: impl Iterator<Item = (f32, f32)>,
+) -> f32 {
+    if format == FloatFormat::F16 {
+        let mut s = f64::from(folded);
+        for (w, x) in tail {
+            s += f64::from(w * x);
+        }
+        s as f32
+    } else {
+        tail.fold(folded, |s, (w, x)| s + w * x)
+    }
+}
+
+/// One weight row in its encoding against one activation row (already as
+/// [`FloatFormat::activations`] gives it), portably.
+pub(crate) fn dot_portable(format: FloatFormat, w: &[u8], x: &[f32]) -> f32 {
+    let k = x.len();
+    let whole = k / LANES * LANES;
+    let mut p = [0f32; LANES];
+    let mut chunk = [0f32; LANES];
+    for (i, xs) in x[..whole].chunks_exact(LANES).enumerate() {
+        let bytes = LANES * format.bytes();
+        format.widen(&w[i * bytes..(i + 1) * bytes], &mut chunk);
+        for l in 0..LANES {
+            p[l] = chunk[l].mul_add(xs[l], p[l]);
+        }
+    }
+    let tail = (whole..k).map(|i| (format.at(w, i), x[i]));
+    finish(format, fold64(&p), tail)
+}
+
+/// One widened weight row against one activation row, portably.
+pub(crate) fn dot_f32_portable(format: FloatFormat, w: &[f32], x: &[f32]) -> f32 {
+    let k = x.len();
+    let whole = k / LANES * LANES;
+    let mut p = [0f32; LANES];
+    for (ws, xs) in w[..whole]
+        .chunks_exact(LANES)
+        .zip(x[..whole].chunks_exact(LANES))
+    {
+        for l in 0..LANES {
+            p[l] = ws[l].mul_add(xs[l], p[l]);
+        }
+    }
+    let tail = w[whole..k].iter().copied().zip(x[whole..k].iter().copied());
+    finish(format, fold64(&p), tail)
+}
+
+/// The vector code this CPU runs for floating-point weights.
+#[derive(Debug, Clone, Copy)]
+pub(crate) enum FloatKernel {
+    /// [`dot_portable`] and [`dot_f32_portable`].
+    Portable,
+    /// Eight 8-lane accumulators per output.
+    #[cfg(target_arch = "x86_64")]
+    Avx2(cpu::Avx2),
+    /// Four 16-lane accumulators per output, four weight rows at a time.
+    #[cfg(target_arch = "x86_64")]
+    Avx512(cpu::Avx512),
+}
+
+impl FloatKernel {
+    /// The best kernel `features` allow.
+    pub(crate) fn new(features: cpu::Features) -> Self {
+        #[cfg(target_arch = "x86_64")]
+        {
+            if let Some(cpu) = features.avx512() {
+                return FloatKernel::Avx512(cpu);
+            }
+            if let Some(cpu) = features.avx2() {
+                return FloatKernel::Avx2(cpu);
+            }
+        }
+        let _ = features;
+        FloatKernel::Portable
+    }
+
+    /// Weight row `w` (in `format`) against activation row `x`.
+    pub(crate) fn dot(self, format: FloatFormat, w: &[u8], x: &[f32]) -> f32 {
+        match self {
+            FloatKernel::Portable => dot_portable(format, w, x),
+            #[cfg(target_arch = "x86_64")]
+            FloatKernel::Avx2(cpu) => super::avx2::float_dot(cpu, format, w, x),
+            #[cfg(target_arch = "x86_64")]
+            FloatKernel::Avx512(cpu) => super::avx512::float::dot(cpu, format, w, x),
+        }
+    }
+
+    /// Four widened weight rows against activation row `x`.
+    pub(crate) fn quad(self, format: FloatFormat, w: [&[f32]; 4], x: &[f32]) -> [f32; 4] {
+        match self {
+            FloatKernel::Portable => w.map(|w| dot_f32_portable(format, w, x)),
+            #[cfg(target_arch = "x86_64")]
+            FloatKernel::Avx2(cpu) => w.map(|w| super::avx2::float_dot_f32(cpu, format, w, x)),
+            #[cfg(target_arch = "x86_64")]
+            FloatKernel::Avx512(cpu) => super::avx512::float::quad(cpu, format, w, x),
+        }
+    }
+}
+
+impl QuantMatrix {
+    /// [`QuantMatrix::matmul`] for floating-point weights: the weight rows split among the
+    /// threads for decode steps and short prefills (each row read once for every
+    /// activation row), the activation rows for long prefills. With more than one
+    /// activation row, each group of four weight rows is widened to f32 once and reused
+    /// from cache for all of them.
+    pub(super) fn matmul_float(&self, format: FloatFormat, x: &[f32], m: usize) -> Buf {
+        let kernel = FloatKernel::new(cpu::detect());
+        let x = format.activations(x);
+        let k = self.cols;
+        let mut out = Buf::take(m * self.rows);
+        if m <= WEIGHT_PARALLEL_MAX_ROWS {
+            let per_task = ROWS_PER_TASK.max(
+                self.rows
+                    .div_ceil(rayon::current_num_threads() * TASKS_PER_THREAD)
+                    .next_multiple_of(4),
+            );
+            let mut pieces: Vec<&mut [f32]> = std::iter::repeat_with(Default::default)
+                .take(self.rows.div_ceil(per_task) * m)
+                .collect();
+            for (i, row) in out.chunks_mut(self.rows).enumerate() {
+                for (t, piece) in row.chunks_mut(per_task).enumerate() {
+                    pieces[t * m + i] = piece;
+                }
+            }
+            pieces
+                .par_chunks_mut(m)
+                .enumerate()
+                .for_each_init(Vec::new, |scratch, (task, dst)| {
+                    let first = task * per_task;
+                    let n = dst[0].len();
+                    self.float_rows(kernel, format, first..first + n, &x, scratch, |i, r, v| {
+                        dst[i][r - first] = v
+                    });
+                });
+        } else {
+            let (fewest, most) = ACT_ROWS_PER_TASK;
+            let fit = (TASK_OUTPUT_BYTES / (self.rows * 4).max(1)).clamp(fewest, most);
+            let per_task = fit.min(m.div_ceil(rayon::current_num_threads()).max(1));
+            let rows = self.rows;
+            out.par_chunks_mut(per_task * rows)
+                .enumerate()
+                .for_each_init(Vec::new, |scratch, (task, dst)| {
+                    let first = task * per_task;
+                    let acts = &x[first * k..(first + dst.len() / rows) * k];
+                    self.float_rows(kernel, format, 0..rows, acts, scratch, |i, r, v| {
+                        dst[i * rows + r] = v
+                    });
+                });
+        }
+        out
+    }
+
+    /// Weight rows `range` against every row of `acts`, each result handed to
+    /// `put(activation row, weight row, value)`.
+    fn float_rows(
+        &self,
+        kernel: FloatKernel,
+        format: FloatFormat,
+        range: std::ops::Range<usize>,
+        acts: &[f32],
+        scratch: &mut Vec<f32>,
+        mut put: impl FnMut(usize, usize, f32),
+    ) {
+        let k = self.cols;
+        let m = acts.len() / k.max(1);
+        if m == 1 {
+            // One activation row: the weights stream once, read in their encoding.
+            self.prefetch_rows(range.start, range.start + 4, range.end);
+            for r in range.clone() {
+                self.prefetch_rows(r + 4, r + 5, range.end);
+                put(0, r, kernel.dot(format, self.weight_row(r), acts));
+            }
+            return;
+        }
+        let quads = range.start + range.len() / 4 * 4;
+        scratch.resize(4 * k, 0.0);
+        for r in self.quads(range.start, quads) {
+            for (j, w) in scratch.chunks_exact_mut(k).enumerate() {
+                format.widen(self.weight_row(r + j), w);
+            }
+            let w: [&[f32]; 4] = std::array::from_fn(|j| &scratch[j * k..(j + 1) * k]);
+            for (i, x) in acts.chunks_exact(k).enumerate() {
+                let v = kernel.quad(format, w, x);
+                for (j, v) in v.into_iter().enumerate() {
+                    put(i, r + j, v);
+                }
+            }
+        }
+        for r in quads..range.end {
+            for (i, x) in acts.chunks_exact(k).enumerate() {
+                put(i, r, kernel.dot(format, self.weight_row(r), x));
+            }
+        }
+    }
+}

@@ -6,7 +6,7 @@ CARGO ?= cargo
 MODEL := models/SmolLM2-135M-Instruct.Q4_1.gguf
 export FERRITE_TEST_MODEL := $(CURDIR)/$(MODEL)
 
-.PHONY: all model pyenv k8s cluster build run crds test fmt fmt-check lint bench bench-peer clean
+.PHONY: all model pyenv k8s cluster build run crds test fmt fmt-check lint bench bench-peer bench-quality clean
 
 all: build
 
@@ -78,6 +78,12 @@ bench: model
 bench-peer: model
 	$(CARGO) build --release -p ferrite-bench
 	scripts/bench-peer.sh
+
+## bench-quality: perplexity of the default model decoded to F16 and requantized, by
+## --quantization at load and by llama.cpp's quantizer, with llama.cpp's own perplexity beside
+bench-quality: model
+	$(CARGO) build --release -p ferrite-engine
+	scripts/bench-quality.sh
 
 clean:
 	$(CARGO) clean

@@ -9,21 +9,11 @@
 # Then prints Ferrite / peer ratios for every figure both measured.
 set -euo pipefail
 source "$(dirname "$0")/bench-lib.sh"
+source "$(dirname "$0")/llamacpp-lib.sh"
 CACHE="${XDG_CACHE_HOME:-$HOME/.cache}/ferrite"
-LLAMA_VERSION=0.3.36
-LLAMA_DIR="$CACHE/llamacpp/llama_cpp_python-$LLAMA_VERSION/vendor/llama.cpp"
-LLAMA_SERVER="$LLAMA_DIR/build/bin/llama-server"
+LLAMA_SERVER="$LLAMA_BIN/llama-server"
 LOGS="$ROOT/target/bench"; mkdir -p "$LOGS"
-
-if [ ! -x "$LLAMA_SERVER" ]; then
-  mkdir -p "$CACHE/llamacpp" && cd "$CACHE/llamacpp"
-  python3 -m pip download --quiet --no-deps --no-binary :all: "llama-cpp-python==$LLAMA_VERSION" -d .
-  tar xzf "llama_cpp_python-$LLAMA_VERSION.tar.gz"
-  cmake -S "$LLAMA_DIR" -B "$LLAMA_DIR/build" -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON \
-    -DLLAMA_CURL=OFF -DLLAMA_BUILD_SERVER=ON -DLLAMA_BUILD_TESTS=OFF > /dev/null
-  cmake --build "$LLAMA_DIR/build" --target llama-server -j "$(nproc)" > /dev/null
-  cd "$ROOT"
-fi
+need_llamacpp llama-server
 
 VENV="$CACHE/peer-venv"
 if [ ! -x "$VENV/bin/python" ] || ! "$VENV/bin/python" -c 'import torch, transformers, gguf, accelerate' 2> /dev/null; then

@@ -6,17 +6,8 @@
 # this; it reads the committed file.
 set -euo pipefail
 ROOT="$(cd "$(dirname "$0")/../.." && pwd)"
-CACHE="${XDG_CACHE_HOME:-$HOME/.cache}/ferrite"
-LLAMA_VERSION=0.3.36
-LLAMA_DIR="$CACHE/llamacpp/llama_cpp_python-$LLAMA_VERSION/vendor/llama.cpp"
-if [ ! -f "$LLAMA_DIR/build/bin/libggml-cpu.so" ]; then
-  mkdir -p "$CACHE/llamacpp" && cd "$CACHE/llamacpp"
-  python3 -m pip download --quiet --no-deps --no-binary :all: "llama-cpp-python==$LLAMA_VERSION" -d .
-  tar xzf "llama_cpp_python-$LLAMA_VERSION.tar.gz"
-  cmake -S "$LLAMA_DIR" -B "$LLAMA_DIR/build" -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON \
-    -DLLAMA_CURL=OFF -DLLAMA_BUILD_SERVER=ON -DLLAMA_BUILD_TESTS=OFF > /dev/null
-  cmake --build "$LLAMA_DIR/build" --target llama-server llama-quantize -j "$(nproc)" > /dev/null
-fi
+source "$ROOT/scripts/llamacpp-lib.sh"
+need_llamacpp llama-server llama-quantize
 OUT="$(mktemp -d)"
 cc -O2 -o "$OUT/ggml_reference" "$ROOT/scripts/ggml-reference/ggml_reference.c" \
   -I "$LLAMA_DIR/ggml/include" -L "$LLAMA_DIR/build/bin" -lggml-cpu -lggml-base -lggml \

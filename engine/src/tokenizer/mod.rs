@@ -131,6 +131,11 @@ impl Tokenizer {
         self.bos
     }
 
+    /// Whether [`Tokenizer::encode`] with special tokens starts a text with BOS.
+    pub fn adds_bos(&self) -> bool {
+        self.add_bos && self.bos.is_some()
+    }
+
     /// The model's chat template, or an error saying it has none.
     pub fn chat_template(&self) -> Result<ChatTemplate> {
         let source = self.chat_template.as_deref().ok_or_else(|| {

@@ -30,6 +30,28 @@ pub enum Command {
     Serve(Box<ServeArgs>),
     /// Fetch a model from the Hugging Face hub (HF_ENDPOINT, HF_TOKEN) into a folder.
     Download(DownloadArgs),
+    /// Measure the model's perplexity on a text file (llama.cpp's llama-perplexity method).
+    Perplexity(PerplexityArgs),
+}
+
+/// Flags of `ferrite-engine perplexity`.
+#[derive(Debug, Args)]
+pub struct PerplexityArgs {
+    /// The model, and how its weights are held.
+    #[command(flatten)]
+    pub model: ModelArgs,
+    /// The text to score (UTF-8).
+    #[arg(long)]
+    pub file: PathBuf,
+    /// Tokens per window; the second half of each window is scored.
+    #[arg(long, default_value_t = 512)]
+    pub ctx: usize,
+    /// Score at most this many windows (default: as many as the text fills).
+    #[arg(long)]
+    pub max_windows: Option<usize>,
+    /// Also print the result as one JSON line.
+    #[arg(long)]
+    pub json: bool,
 }
 
 /// Flags of `ferrite-engine download`.
@@ -384,6 +406,7 @@ pub fn run(cli: Cli) -> ferrite_engine::Result<()> {
         Command::Bench(args) => crate::bench::run(&args),
         Command::Serve(args) => crate::serve::run(*args),
         Command::Download(args) => crate::download::run(args),
+        Command::Perplexity(args) => crate::perplexity::run(args),
     }
 }
 

@@ -6,6 +6,7 @@ mod bench;
 mod cli;
 mod download;
 mod generate;
+mod perplexity;
 mod serve;
 
 use clap::Parser;

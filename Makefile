@@ -54,6 +54,8 @@ test: model pyenv k8s
 	  FERRITE_CPU_TIER=$$tier $(CARGO) test --quiet -p ferrite-engine --test llamacpp_parity; \
 	done
 	FERRITE_BIN=$(CURDIR)/target/debug/ferrite-engine "$$(scripts/python-env.sh)" -m pytest -q tests/api tests/chart
+	# The kernels and the tiny-model tests cross-built for arm64 and run under qemu-user.
+	FERRITE_PYTHON="$$(scripts/python-env.sh)" scripts/test-arm64.sh
 
 fmt:
 	$(CARGO) fmt --all

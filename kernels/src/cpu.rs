@@ -118,6 +118,7 @@ impl Features {
     /// The tiers present, lowest first (`portable` always), as benchmark tables and kernel
     /// tests name them.
     pub fn tiers(self) -> Vec<&'static str> {
+        #[cfg_attr(not(target_arch = "x86_64"), allow(unused_mut))]
         let mut tiers = vec!["portable"];
         #[cfg(target_arch = "x86_64")]
         {

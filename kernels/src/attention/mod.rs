@@ -13,6 +13,7 @@ use half::f16;
 use half::slice::HalfFloatSliceExt;
 use rayon::prelude::*;
 
+#[cfg(target_arch = "x86_64")]
 use crate::cpu;
 
 #[cfg(target_arch = "x86_64")]

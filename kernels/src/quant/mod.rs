@@ -207,6 +207,7 @@ const ACT_ROWS_PER_TASK: (usize, usize) = (16, 128);
 
 /// From this many activation rows, the AVX-512 kernel (`avx512::wide`) runs; below, the weight
 /// blocks are unpacked in registers for each row instead of into a buffer shared by all.
+#[cfg(target_arch = "x86_64")]
 const WIDE_MIN_ROWS: usize = 8;
 
 /// Up to this many activation rows, a matrix product splits the weight rows among threads

@@ -167,6 +167,7 @@ fn every_kernel_matches_the_portable_code_bit_for_bit() {
                     assert_eq!(o.map(bits).to_vec(), want, "{fmt:?} packed tile of {n}");
                 }
             }
+            #[cfg_attr(not(target_arch = "x86_64"), allow(unused_mut))]
             let mut kernels: Vec<Tile> = vec![tile_kernel(features), tile_portable];
             #[cfg(target_arch = "x86_64")]
             kernels.extend(features.avx2().map(avx2::tile));
@@ -196,6 +197,7 @@ fn vector_activation_quantization_matches_the_scalar_code() {
     x[2 * BLOCK] = -1e30;
     for (b, block) in x.chunks_exact(BLOCK).enumerate() {
         let (mut scalar, mut wide) = ([0i8; BLOCK], [0i8; BLOCK]);
+        #[cfg_attr(not(target_arch = "x86_64"), allow(unused_variables))]
         let want = quantize_block(block, &mut scalar);
         #[cfg(target_arch = "x86_64")]
         if let Some(cpu) = cpu::detect().avx2() {
@@ -475,6 +477,7 @@ fn the_5_bit_formats_compute_what_ggml_computes_bit_for_bit() {
         let signed = format == WeightFormat::Q5_0;
         for (r, row) in ggml::rows(name).iter().enumerate() {
             let a = quantize_row(&row.x, !signed);
+            #[cfg_attr(not(target_arch = "x86_64"), allow(unused_mut))]
             let mut dots = vec![if signed { q5::dot_q5_0 } else { q5::dot_q5_1 }];
             #[cfg(target_arch = "x86_64")]
             dots.extend(cpu::detect().avx2().map(|cpu| avx2::dot_q5(cpu, signed)));
@@ -529,10 +532,11 @@ fn weights_quantized_at_load_are_the_blocks_llama_cpp_writes() {
 
 /// Every float kernel this CPU has, portable first, with the tier's name.
 fn float_kernels() -> Vec<(&'static str, float::FloatKernel)> {
-    let features = cpu::detect();
+    #[cfg_attr(not(target_arch = "x86_64"), allow(unused_mut))]
     let mut kernels = vec![("portable", float::FloatKernel::Portable)];
     #[cfg(target_arch = "x86_64")]
     {
+        let features = cpu::detect();
         kernels.extend(
             features
                 .avx2()

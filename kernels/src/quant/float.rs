@@ -13,8 +13,7 @@ use std::borrow::Cow;
 use rayon::prelude::*;
 
 use super::{
-    QuantMatrix, ACT_ROWS_PER_TASK, ROWS_PER_TASK, TASKS_PER_THREAD, TASK_OUTPUT_BYTES,
-    WEIGHT_PARALLEL_MAX_ROWS,
+    task_pieces, QuantMatrix, ACT_ROWS_PER_TASK, TASK_OUTPUT_BYTES, WEIGHT_PARALLEL_MAX_ROWS,
 };
 use crate::buffers::Buf;
 use crate::cpu;
@@ -226,19 +225,8 @@ impl QuantMatrix {
         let k = self.cols;
         let mut out = Buf::take(m * self.rows);
         if m <= WEIGHT_PARALLEL_MAX_ROWS {
-            let per_task = ROWS_PER_TASK.max(
-                self.rows
-                    .div_ceil(rayon::current_num_threads() * TASKS_PER_THREAD)
-                    .next_multiple_of(4),
-            );
-            let mut pieces: Vec<&mut [f32]> = std::iter::repeat_with(Default::default)
-                .take(self.rows.div_ceil(per_task) * m)
-                .collect();
-            for (i, row) in out.chunks_mut(self.rows).enumerate() {
-                for (t, piece) in row.chunks_mut(per_task).enumerate() {
-                    pieces[t * m + i] = piece;
-                }
-            }
+            let per_task = self.rows_per_weight_task();
+            let mut pieces = task_pieces(&mut out, self.rows, m, per_task);
             pieces
                 .par_chunks_mut(m)
                 .enumerate()

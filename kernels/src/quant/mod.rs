@@ -374,19 +374,8 @@ impl QuantMatrix {
         let mut out = Buf::take(m * self.rows);
         if m <= WEIGHT_PARALLEL_MAX_ROWS {
             let acts: Vec<A> = x.chunks_exact(self.cols).map(&quantize).collect();
-            let per_task = ROWS_PER_TASK.max(
-                self.rows
-                    .div_ceil(rayon::current_num_threads() * TASKS_PER_THREAD)
-                    .next_multiple_of(4),
-            );
-            let mut pieces: Vec<&mut [f32]> = std::iter::repeat_with(Default::default)
-                .take(self.rows.div_ceil(per_task) * m)
-                .collect();
-            for (i, row) in out.chunks_mut(self.rows).enumerate() {
-                for (t, piece) in row.chunks_mut(per_task).enumerate() {
-                    pieces[t * m + i] = piece;
-                }
-            }
+            let per_task = self.rows_per_weight_task();
+            let mut pieces = task_pieces(&mut out, self.rows, m, per_task);
             pieces
                 .par_chunks_mut(m)
                 .enumerate()
@@ -431,6 +420,16 @@ impl QuantMatrix {
         out
     }
 
+    /// Weight rows per task (whole groups of four) when a product splits the weight rows
+    /// among the threads.
+    fn rows_per_weight_task(&self) -> usize {
+        ROWS_PER_TASK.max(
+            self.rows
+                .div_ceil(rayon::current_num_threads() * TASKS_PER_THREAD)
+                .next_multiple_of(4),
+        )
+    }
+
     fn row_bytes(&self) -> usize {
         self.cols / self.format.block_values() * self.format.block_bytes()
     }
@@ -473,22 +472,9 @@ impl QuantMatrix {
         let acts = self.quantize(f, x);
         let plan = Plan::new(f, &acts);
         // Each task owns a range of weight rows: its piece of every output row.
-        let per_task = ROWS_PER_TASK.max(
-            self.rows
-                .div_ceil(rayon::current_num_threads() * TASKS_PER_THREAD)
-                .next_multiple_of(4),
-        );
+        let per_task = self.rows_per_weight_task();
         let mut out = Buf::take(m * self.rows);
-        let tasks = self.rows.div_ceil(per_task);
-        // Task-major: task `t`'s piece of output row `i` at `t * m + i`.
-        let mut pieces: Vec<&mut [f32]> = std::iter::repeat_with(Default::default)
-            .take(tasks * m)
-            .collect();
-        for (i, row) in out.chunks_mut(self.rows).enumerate() {
-            for (t, piece) in row.chunks_mut(per_task).enumerate() {
-                pieces[t * m + i] = piece;
-            }
-        }
+        let mut pieces = task_pieces(&mut out, self.rows, m, per_task);
         pieces.par_chunks_mut(m).enumerate().for_each_init(
             || (Scratch::default(), vec![[0f32; 4]; m]),
             |(scratch, tiles), (task, dst)| {
@@ -545,6 +531,20 @@ impl QuantMatrix {
             });
         out
     }
+}
+
+/// `out` (`m` rows of `rows` outputs) cut into the pieces of the tasks that each own
+/// `per_task` weight rows, task-major: task `t`'s piece of output row `i` at `t * m + i`.
+fn task_pieces(out: &mut [f32], rows: usize, m: usize, per_task: usize) -> Vec<&mut [f32]> {
+    let mut pieces: Vec<&mut [f32]> = std::iter::repeat_with(Default::default)
+        .take(rows.div_ceil(per_task) * m)
+        .collect();
+    for (i, row) in out.chunks_mut(rows).enumerate() {
+        for (t, piece) in row.chunks_mut(per_task).enumerate() {
+            pieces[t * m + i] = piece;
+        }
+    }
+    pieces
 }
 
 /// How a product's groups of four weight rows meet its activation rows.

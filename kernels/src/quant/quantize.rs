@@ -4,7 +4,7 @@
 
 use half::f16;
 
-use super::kquant::{KFormat, QK_K};
+use super::kquant::{scale_min_k4, KFormat, QK_K};
 use super::{WeightFormat, BLOCK};
 
 /// The formats [`quantize_row`] writes.
@@ -193,18 +193,6 @@ fn make_qkx2_quants(
     }
     *the_min = -min;
     scale
-}
-
-/// ggml's `get_scale_min_k4`.
-fn scale_min_k4(j: usize, q: &[u8]) -> (u8, u8) {
-    if j < 4 {
-        (q[j] & 63, q[j + 4] & 63)
-    } else {
-        (
-            (q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4),
-            (q[j + 4] >> 4) | ((q[j] >> 6) << 4),
-        )
-    }
 }
 
 /// `quantize_row_q4_K_ref`.

@@ -367,7 +367,7 @@ pub(crate) fn dequantize_row(format: KFormat, row: &[u8], out: &mut [f32]) {
 }
 
 /// ggml's `get_scale_min_k4`: scale and minimum `j` of the 12 packed bytes.
-fn scale_min_k4(j: usize, q: &[u8]) -> (u8, u8) {
+pub(crate) fn scale_min_k4(j: usize, q: &[u8]) -> (u8, u8) {
     if j < 4 {
         (q[j] & 63, q[j + 4] & 63)
     } else {

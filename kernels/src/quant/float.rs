@@ -201,6 +201,16 @@ impl FloatKernel {
         }
     }
 
+    /// Four widened weight rows against four activation rows: `out[a][r]`, each equal to
+    /// [`FloatKernel::quad`] of row `a`.
+    pub(crate) fn tile(self, format: FloatFormat, w: [&[f32]; 4], x: [&[f32]; 4]) -> [[f32; 4]; 4] {
+        match self {
+            #[cfg(target_arch = "x86_64")]
+            FloatKernel::Avx512(cpu) => super::avx512::float::tile(cpu, format, w, x),
+            _ => x.map(|x| self.quad(format, w, x)),
+        }
+    }
+
     /// Four widened weight rows against activation row `x`.
     pub(crate) fn quad(self, format: FloatFormat, w: [&[f32]; 4], x: &[f32]) -> [f32; 4] {
         match self {
@@ -284,8 +294,17 @@ impl QuantMatrix {
                 format.widen(self.weight_row(r + j), w);
             }
             let w: [&[f32]; 4] = std::array::from_fn(|j| &scratch[j * k..(j + 1) * k]);
-            for (i, x) in acts.chunks_exact(k).enumerate() {
-                let v = kernel.quad(format, w, x);
+            let fours = m / 4 * 4;
+            for i in (0..fours).step_by(4) {
+                let x: [&[f32]; 4] = std::array::from_fn(|a| &acts[(i + a) * k..(i + a + 1) * k]);
+                for (a, v) in kernel.tile(format, w, x).into_iter().enumerate() {
+                    for (j, v) in v.into_iter().enumerate() {
+                        put(i + a, r + j, v);
+                    }
+                }
+            }
+            for i in fours..m {
+                let v = kernel.quad(format, w, &acts[i * k..(i + 1) * k]);
                 for (j, v) in v.into_iter().enumerate() {
                     put(i, r + j, v);
                 }

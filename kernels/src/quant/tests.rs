@@ -623,6 +623,25 @@ fn float_kernels_match_the_portable_code_bit_for_bit() {
                 let quad = [0, 1, 2, 3].map(|r| &rows[r].1[..]);
                 let got = kernel.quad(format, quad, &x).map(f32::to_bits);
                 assert_eq!(got.to_vec(), want, "{format:?} {n} values, {tier} quad");
+                // Four activation rows, the same one in the third place.
+                let others: Vec<Vec<f32>> = (0..4)
+                    .map(|s| x.iter().map(|v| v * (1.0 + s as f32 * 0.25)).collect())
+                    .collect();
+                let acts = [&others[0][..], &others[1], &x, &others[3]];
+                let tile = kernel.tile(format, quad, acts);
+                for (a, row) in tile.iter().enumerate() {
+                    let alone = kernel.quad(format, quad, acts[a]).map(f32::to_bits);
+                    assert_eq!(
+                        row.map(f32::to_bits),
+                        alone,
+                        "{format:?} {n}, {tier} tile row {a}"
+                    );
+                }
+                assert_eq!(
+                    tile[2].map(f32::to_bits).to_vec(),
+                    want,
+                    "{format:?} {n}, {tier} tile"
+                );
             }
         }
     }

@@ -123,3 +123,70 @@ unsafe fn quad_avx512(format: FloatFormat, w: [&[f32]; 4], x: &[f32]) -> [f32; 4
     }
     out
 }
+
+/// Four widened weight rows against four activation rows: `out[a][r]`. The column loop runs
+/// once per 16-lane quarter of each 64-value step — the quarters' partial sums never meet
+/// before the fold, so each lane's chain of multiply-adds is the one [`dot`] runs — with
+/// sixteen accumulators, each weight and activation vector loaded once for four products.
+pub(crate) fn tile(
+    cpu: Avx512,
+    format: FloatFormat,
+    w: [&[f32]; 4],
+    x: [&[f32]; 4],
+) -> [[f32; 4]; 4] {
+    let _ = cpu;
+    let k = x[0].len();
+    assert!(
+        w.iter().all(|w| w.len() >= k) && x.iter().all(|x| x.len() == k),
+        "rows shorter than the product's input"
+    );
+    // SAFETY: `cpu` proves AVX-512 F; every row holds `k` values.
+    unsafe { tile_avx512(format, w, x) }
+}
+
+/// # Safety
+/// Every row of `w` and `x` must hold `x[0].len()` values.
+#[target_feature(enable = "avx512f")]
+unsafe fn tile_avx512(format: FloatFormat, w: [&[f32]; 4], x: [&[f32]; 4]) -> [[f32; 4]; 4] {
+    let k = x[0].len();
+    let whole = k / LANES * LANES;
+    let wp = [w[0].as_ptr(), w[1].as_ptr(), w[2].as_ptr(), w[3].as_ptr()];
+    let xp = [x[0].as_ptr(), x[1].as_ptr(), x[2].as_ptr(), x[3].as_ptr()];
+    // `part[q][a][r]`: quarter `q`'s partial sums of activation row `a` by weight row `r`.
+    let mut part = [[[_mm512_setzero_ps(); 4]; 4]; 4];
+    for (q, part) in part.iter_mut().enumerate() {
+        let mut acc = [[_mm512_setzero_ps(); 4]; 4];
+        let mut i = 16 * q;
+        while i < whole {
+            // SAFETY: `i + 16 <= whole <= k` values of every row.
+            unsafe {
+                let wv = [
+                    _mm512_loadu_ps(wp[0].add(i)),
+                    _mm512_loadu_ps(wp[1].add(i)),
+                    _mm512_loadu_ps(wp[2].add(i)),
+                    _mm512_loadu_ps(wp[3].add(i)),
+                ];
+                for a in 0..4 {
+                    let xv = _mm512_loadu_ps(xp[a].add(i));
+                    for r in 0..4 {
+                        acc[a][r] = _mm512_fmadd_ps(wv[r], xv, acc[a][r]);
+                    }
+                }
+            }
+            i += LANES;
+        }
+        *part = acc;
+    }
+    let mut out = [[0f32; 4]; 4];
+    for a in 0..4 {
+        for r in 0..4 {
+            let sums = [part[0][a][r], part[1][a][r], part[2][a][r], part[3][a][r]];
+            let tail = w[r][whole..k]
+                .iter()
+                .copied()
+                .zip(x[a][whole..].iter().copied());
+            out[a][r] = finish(format, fold(sums), tail);
+        }
+    }
+    out
+}

@@ -6,7 +6,7 @@ CARGO ?= cargo
 MODEL := models/SmolLM2-135M-Instruct.Q4_1.gguf
 export FERRITE_TEST_MODEL := $(CURDIR)/$(MODEL)
 
-.PHONY: all model pyenv k8s cluster build run crds test fmt fmt-check lint bench bench-peer bench-quality clean
+.PHONY: all model pyenv k8s cluster build run crds test fmt fmt-check lint bench bench-peer bench-formats bench-quality clean
 
 all: build
 
@@ -78,8 +78,15 @@ bench: model
 ## bench-peer: the same workloads against llama.cpp's llama-server and naive Transformers
 ## generate (both built or installed once into ~/.cache/ferrite), with Ferrite / peer ratios
 bench-peer: model
-	$(CARGO) build --release -p ferrite-bench
+	$(CARGO) build --release -p ferrite-engine -p ferrite-bench
 	scripts/bench-peer.sh
+	scripts/bench-formats.sh
+
+## bench-formats: Ferrite beside llama-server on a random ~1B model in Q4_K_M, Q8_0 and F16
+## (short prompts at 1 and 16, ~1000-token prompts at 1); also run by bench-peer
+bench-formats: model
+	$(CARGO) build --release -p ferrite-engine -p ferrite-bench
+	scripts/bench-formats.sh
 
 ## bench-quality: perplexity of the default model decoded to F16 and requantized, by
 ## --quantization at load and by llama.cpp's quantizer, with llama.cpp's own perplexity beside

@@ -5,14 +5,16 @@ Shape: hidden 256 and FFN 768 (multiples of 256, so every K-quant applies to eve
 4 query heads on 2 KV heads of 64, 2 layers, a 134-token byte-level BPE vocabulary, 512
 positions. The vocabulary holds the 128 ASCII bytes (so every token's text is whole UTF-8,
 which llama-server needs to report each token's probabilities), five merges and an end token.
-Usage: tiny_model.py OUT.gguf (run with llama.cpp's gguf-py on PYTHONPATH)."""
-import sys
+Other shapes for benchmarks (its text is noise, its speed is real): --hidden, --ffn, --heads,
+--kv-heads, --layers, --ctx (positions), and --vocab (filler tokens `w<i>` after the byte tokens, which no merge
+produces); --f16 stores the matrices in F16.
+Usage: tiny_model.py OUT.gguf [shape flags] (run with llama.cpp's gguf-py on PYTHONPATH)."""
+import argparse
 
 import numpy as np
 
 import gguf
 
-HIDDEN, FFN, HEADS, KV_HEADS, LAYERS, CTX = 256, 768, 4, 2, 2, 512
 
 
 def byte_tokens():
@@ -29,19 +31,33 @@ def byte_tokens():
     return [table[b] for b in range(128)]
 
 
-def main(out):
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("out")
+    p.add_argument("--hidden", type=int, default=256)
+    p.add_argument("--ffn", type=int, default=768)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--kv-heads", type=int, default=2)
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--vocab", type=int, default=134)
+    p.add_argument("--ctx", type=int, default=512)
+    p.add_argument("--f16", action="store_true")
+    a = p.parse_args()
+    HIDDEN, FFN, HEADS, KV_HEADS, LAYERS = a.hidden, a.ffn, a.heads, a.kv_heads, a.layers
+    out = a.out
     rng = np.random.default_rng(20261201)
     tokens = byte_tokens()
     merges = ["Ġ t", "h e", "Ġt he", "i n", "a n"]
     for m in merges:
         tokens.append(m.replace(" ", ""))
+    tokens.extend(f"w{i}" for i in range(max(0, a.vocab - len(tokens) - 1)))
     tokens.append("<|endoftext|>")
     vocab = len(tokens)
     types = [1] * (vocab - 1) + [3]
 
     w = gguf.GGUFWriter(out, "llama")
     w.add_name("ferrite-tiny-random")
-    w.add_context_length(CTX)
+    w.add_context_length(a.ctx)
     w.add_embedding_length(HIDDEN)
     w.add_block_count(LAYERS)
     w.add_feed_forward_length(FFN)
@@ -51,7 +67,7 @@ def main(out):
     w.add_rope_freq_base(10000.0)
     w.add_layer_norm_rms_eps(1e-5)
     w.add_vocab_size(vocab)
-    w.add_file_type(gguf.LlamaFileType.ALL_F32)
+    w.add_file_type(gguf.LlamaFileType.MOSTLY_F16 if a.f16 else gguf.LlamaFileType.ALL_F32)
     w.add_tokenizer_model("gpt2")
     w.add_tokenizer_pre("default")
     w.add_token_list(tokens)
@@ -62,7 +78,8 @@ def main(out):
     w.add_add_bos_token(False)
 
     def mat(rows, cols, scale):
-        return (rng.standard_normal((rows, cols)) * scale).astype(np.float32)
+        m = rng.standard_normal((rows, cols), dtype=np.float32) if a.f16 else rng.standard_normal((rows, cols))
+        return (m * scale).astype(np.float16 if a.f16 else np.float32)
 
     def norm(n):
         return (1.0 + 0.1 * rng.standard_normal(n)).astype(np.float32)
@@ -88,4 +105,4 @@ def main(out):
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main()

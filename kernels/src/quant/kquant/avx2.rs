@@ -259,15 +259,13 @@ fn q6k_avx2(w: &[u8], a: &Q8KRow) -> f32 {
                 q4h_3,
             );
             let base = i * QK_K + 128 * j;
-            let p = [q4_0, q4_1, q4_2, q4_3]
-                .into_iter()
-                .enumerate()
-                .map(|(k, q)| {
-                    let y = load_q8(&a.qs, base + 32 * k);
-                    let scale = _mm256_cvtepi8_epi16(split_i8(scales, 4 * j as i32 + k as i32));
-                    _mm256_madd_epi16(scale, _mm256_maddubs_epi16(q, y))
-                });
-            let p: Vec<__m256i> = p.collect();
+            let q4 = [q4_0, q4_1, q4_2, q4_3];
+            let mut p = [_mm256_setzero_si256(); 4];
+            for (k, (p, q)) in p.iter_mut().zip(q4).enumerate() {
+                let y = load_q8(&a.qs, base + 32 * k);
+                let scale = _mm256_cvtepi8_epi16(split_i8(scales, 4 * j as i32 + k as i32));
+                *p = _mm256_madd_epi16(scale, _mm256_maddubs_epi16(q, y));
+            }
             sumi = _mm256_add_epi32(sumi, _mm256_add_epi32(p[0], p[1]));
             sumi = _mm256_add_epi32(sumi, _mm256_add_epi32(p[2], p[3]));
         }

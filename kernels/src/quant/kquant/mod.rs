@@ -148,6 +148,7 @@ fn map32(x: &[u8], f: impl Fn(u8) -> u8) -> [u8; 32] {
 
 /// The eight 6-bit scales and eight 6-bit minimums of a Q4_K/Q5_K super-block's 12 scale
 /// bytes, as ggml's AVX2 code unpacks them (`utmp`).
+#[inline]
 fn scales_mins_k4(q: &[u8]) -> ([u8; 8], [u8; 8]) {
     let word = |i: usize| u32::from_le_bytes([q[4 * i], q[4 * i + 1], q[4 * i + 2], q[4 * i + 3]]);
     let (k1, k2, k3) = (0x3f3f_3f3f_u32, 0x0f0f_0f0f_u32, 0x0303_0303_u32);
@@ -157,7 +158,7 @@ fn scales_mins_k4(q: &[u8]) -> ([u8; 8], [u8; 8]) {
     u[1] = (u[2] & k2) | (((u[0] >> 6) & k3) << 4);
     u[2] = uaux;
     u[0] &= k1;
-    let bytes: Vec<u8> = u.iter().flat_map(|w| w.to_le_bytes()).collect();
+    let bytes = le_bytes(u);
     (
         std::array::from_fn(|i| bytes[i]),
         std::array::from_fn(|i| bytes[8 + i]),
@@ -295,6 +296,7 @@ pub(crate) fn dot_q2k(w: &[u8], a: &Q8KRow) -> f32 {
 
 /// The sixteen signed 6-bit scales of a Q3_K super-block, as ggml's AVX2 code unpacks
 /// them (with 32 subtracted).
+#[inline]
 fn scales_q3k(q: &[u8]) -> [i16; 16] {
     let word = |i: usize| u32::from_le_bytes([q[4 * i], q[4 * i + 1], q[4 * i + 2], q[4 * i + 3]]);
     let (k1, k2) = (0x0303_0303_u32, 0x0f0f_0f0f_u32);
@@ -305,8 +307,19 @@ fn scales_q3k(q: &[u8]) -> [i16; 16] {
         ((aux[0] >> 4) & k2) | (((aux[2] >> 4) & k1) << 4),
         ((aux[1] >> 4) & k2) | (((aux[2] >> 6) & k1) << 4),
     ];
-    let bytes: Vec<u8> = e.iter().flat_map(|w| w.to_le_bytes()).collect();
+    let bytes = le_bytes(e);
     std::array::from_fn(|t| i16::from(bytes[t].wrapping_sub(32) as i8))
+}
+
+/// Four words as their sixteen little-endian bytes (in registers: the dot products call
+/// this once per super-block).
+#[inline(always)]
+fn le_bytes(words: [u32; 4]) -> [u8; 16] {
+    (u128::from(words[0])
+        | u128::from(words[1]) << 32
+        | u128::from(words[2]) << 64
+        | u128::from(words[3]) << 96)
+        .to_le_bytes()
 }
 
 /// `ggml_vec_dot_q3_K_q8_K`.

@@ -1,0 +1,56 @@
+#!/usr/bin/env bash
+# Part of make bench-peer (or alone: make bench-formats): Ferrite beside llama.cpp's
+# llama-server on a ~1B Llama-shaped model with random weights (hidden 2048, FFN 8192, 16
+# layers, 32 query heads on 8 KV heads, a 32000-token vocabulary: 1.1B parameters; its text
+# is noise, its speed is real), written once as F16 by scripts/ggml-reference/tiny_model.py
+# and quantized by llama.cpp's llama-quantize, all cached in ~/.cache/ferrite/models. Per
+# format, each server in turn (one at a time, 2 threads): short prompts at concurrency 1
+# and 16, and ~1000-token prompts at concurrency 1. Each format's tables and Ferrite /
+# llama.cpp ratios go to bench/results/formats-<FORMAT>.md, headed by the CPU and the
+# instruction-set tiers the kernels ran.
+set -euo pipefail
+source "$(dirname "$0")/bench-lib.sh"
+source "$(dirname "$0")/llamacpp-lib.sh"
+need_llamacpp llama-server llama-quantize
+FORMATS="${FORMATS:-Q4_K_M Q8_0 F16}"
+MODELS="${XDG_CACHE_HOME:-$HOME/.cache}/ferrite/models"; mkdir -p "$MODELS"
+LOGS="$ROOT/target/bench"; mkdir -p "$LOGS"
+ENGINE="$ROOT/target/release/ferrite-engine"
+F16="$MODELS/random-1b-F16.gguf"
+if [ ! -f "$F16" ]; then
+  PYTHONPATH="$LLAMA_DIR/gguf-py" "$("$ROOT/scripts/python-env.sh")" "$ROOT/scripts/ggml-reference/tiny_model.py" \
+    "$F16.part" --hidden 2048 --ffn 8192 --heads 32 --kv-heads 8 --layers 16 --vocab 32000 --ctx 4096 --f16
+  mv "$F16.part" "$F16"
+fi
+CPU="$(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | xargs)"
+for f in $FORMATS; do
+  FILE="$MODELS/random-1b-$f.gguf"
+  if [ ! -f "$FILE" ]; then
+    "$LLAMA_BIN/llama-quantize" "$F16" "$FILE.part" "$f" > "$LOGS/quantize-random-1b-$f.log" 2>&1
+    mv "$FILE.part" "$FILE"
+  fi
+  OUT="$ROOT/bench/results/formats-$f.json"; rm -f "$OUT"
+  runs() {
+    "$BENCH" run "$@" --results "$OUT" --model random-1b --workload fixed:64:32 --concurrency 1,16 --requests 16 --no-progress
+    "$BENCH" run "$@" --results "$OUT" --model random-1b --workload fixed:1000:16 --concurrency 1 --requests 2 --no-progress
+  }
+  PORT=$(free_port); URL="http://127.0.0.1:$PORT"
+  start_server "$LOGS/ferrite-random-1b-$f.log" "$ENGINE" serve --model "$FILE" --served-model-name random-1b \
+    --host 127.0.0.1 --port "$PORT" --max-model-len 2048 --no-enable-prefix-caching --max-num-seqs 16
+  TIERS="$(grep -ao 'kernel tiers: [a-z0-9, -]*' "$LOGS/ferrite-random-1b-$f.log" | head -1 || true)"
+  runs --url "$URL" --label ferrite
+  stop_server
+  PORT=$(free_port); URL="http://127.0.0.1:$PORT"
+  start_server "$LOGS/llama-server-random-1b-$f.log" "$LLAMA_BIN/llama-server" -m "$FILE" --host 127.0.0.1 \
+    --port "$PORT" -t "$THREADS" -tb "$THREADS" -np 16 --cont-batching -c $((16 * 2048)) --no-warmup
+  runs --url "$URL" --label llama.cpp --extra-body '{"cache_prompt": false}'
+  stop_server
+  {
+    echo "# random 1.1B Llama-shaped model, $f"
+    echo
+    echo "CPU: $CPU; Ferrite's kernels: ${TIERS:-tiers not logged}; 2 threads each."
+    echo
+    "$BENCH" report --results "$OUT"
+  } > "$ROOT/bench/results/formats-$f.md"
+  cat "$ROOT/bench/results/formats-$f.md"
+done

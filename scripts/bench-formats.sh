@@ -40,15 +40,18 @@ for f in $FORMATS; do
   TIERS="$(grep -ao 'kernel tiers: [a-z0-9, -]*' "$LOGS/ferrite-random-1b-$f.log" | head -1 || true)"
   runs --url "$URL" --label ferrite
   stop_server
+  # llama-server 0.3.36 crashes (SIGSEGV) loading these models with its CPU repacking on a CPU
+  # with AMX (this Xeon); --no-repack runs its vec_dot kernels instead. Set REPACK=1 to try.
   PORT=$(free_port); URL="http://127.0.0.1:$PORT"
+  NOREPACK=(--no-repack); [ "${REPACK:-0}" = 1 ] && NOREPACK=()
   start_server "$LOGS/llama-server-random-1b-$f.log" "$LLAMA_BIN/llama-server" -m "$FILE" --host 127.0.0.1 \
-    --port "$PORT" -t "$THREADS" -tb "$THREADS" -np 16 --cont-batching -c $((16 * 2048)) --no-warmup
+    --port "$PORT" -t "$THREADS" -tb "$THREADS" -np 16 --cont-batching -c $((16 * 2048)) --no-warmup "${NOREPACK[@]}"
   runs --url "$URL" --label llama.cpp --extra-body '{"cache_prompt": false}'
   stop_server
   {
     echo "# random 1.1B Llama-shaped model, $f"
     echo
-    echo "CPU: $CPU; Ferrite's kernels: ${TIERS:-tiers not logged}; 2 threads each."
+    echo "CPU: $CPU; Ferrite's ${TIERS:-kernel tiers: not logged}; $THREADS threads each; llama-server ${NOREPACK[*]:-with repacking}."
     echo
     "$BENCH" report --results "$OUT"
   } > "$ROOT/bench/results/formats-$f.md"

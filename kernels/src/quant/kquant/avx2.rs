@@ -85,19 +85,62 @@ fn hsum(v: __m256) -> f32 {
     hsum8(lanes)
 }
 
+/// `_mm256_shuffle_epi8` controls that repeat the i16 at byte `2k` of each 128-bit half
+/// (ggml's `get_scale_shuffle_k4` rows), one per `k` of 0..8.
+const BROADCAST_I16: [[i8; 32]; 8] = {
+    let mut t = [[0i8; 32]; 8];
+    let mut k = 0;
+    while k < 8 {
+        let mut b = 0;
+        while b < 32 {
+            t[k][b] = (2 * k + b % 2) as i8;
+            b += 1;
+        }
+        k += 1;
+    }
+    t
+};
+
+/// Controls repeating i16 lane `2k` in the low 128 bits and lane `2k + 1` in the high 128
+/// bits (ggml's `get_scale_shuffle_q3k` rows), `k` of 0..4.
+const SPLIT_I16: [[i8; 32]; 4] = {
+    let mut t = [[0i8; 32]; 4];
+    let mut k = 0;
+    while k < 4 {
+        let mut b = 0;
+        while b < 32 {
+            let lane = if b < 16 { 4 * k } else { 4 * k + 2 };
+            t[k][b] = (lane + b % 2) as i8;
+            b += 1;
+        }
+        k += 1;
+    }
+    t
+};
+
+/// Controls giving byte `2k` eight times then byte `2k + 1` eight times (ggml's
+/// `get_scale_shuffle` rows), `k` of 0..8.
+const SPLIT_I8: [[i8; 16]; 8] = {
+    let mut t = [[0i8; 16]; 8];
+    let mut k = 0;
+    while k < 8 {
+        let mut b = 0;
+        while b < 16 {
+            t[k][b] = (2 * k + b / 8) as i8;
+            b += 1;
+        }
+        k += 1;
+    }
+    t
+};
+
 /// i16 lane `k` of the eight in `v`, in every lane (a `get_scale_shuffle_k4` row).
 #[inline]
 #[target_feature(enable = "avx2")]
 fn broadcast_i16(v: __m256i, k: i32) -> __m256i {
-    let lo = (2 * k) as i8;
-    let hi = lo + 1;
-    _mm256_shuffle_epi8(
-        v,
-        _mm256_setr_epi8(
-            lo, hi, lo, hi, lo, hi, lo, hi, lo, hi, lo, hi, lo, hi, lo, hi, lo, hi, lo, hi, lo, hi,
-            lo, hi, lo, hi, lo, hi, lo, hi, lo, hi,
-        ),
-    )
+    let c = &BROADCAST_I16[k as usize];
+    // SAFETY: `c` is 32 bytes; the load is unaligned.
+    _mm256_shuffle_epi8(v, unsafe { _mm256_loadu_si256(c.as_ptr().cast()) })
 }
 
 /// i16 lanes `2k` (to the low eight) and `2k + 1` (the high eight) of each 128-bit half of
@@ -105,15 +148,9 @@ fn broadcast_i16(v: __m256i, k: i32) -> __m256i {
 #[inline]
 #[target_feature(enable = "avx2")]
 fn split_i16(v: __m256i, k: i32) -> __m256i {
-    let (a, b) = ((4 * k) as i8, (4 * k + 2) as i8);
-    let (a1, b1) = (a + 1, b + 1);
-    _mm256_shuffle_epi8(
-        v,
-        _mm256_setr_epi8(
-            a, a1, a, a1, a, a1, a, a1, a, a1, a, a1, a, a1, a, a1, b, b1, b, b1, b, b1, b, b1, b,
-            b1, b, b1, b, b1, b, b1,
-        ),
-    )
+    let c = &SPLIT_I16[k as usize];
+    // SAFETY: `c` is 32 bytes; the load is unaligned.
+    _mm256_shuffle_epi8(v, unsafe { _mm256_loadu_si256(c.as_ptr().cast()) })
 }
 
 /// Bytes of scales `2k` (eight times) then `2k + 1` (eight times) of `v` (a
@@ -121,11 +158,9 @@ fn split_i16(v: __m256i, k: i32) -> __m256i {
 #[inline]
 #[target_feature(enable = "avx2")]
 fn split_i8(v: __m128i, k: i32) -> __m128i {
-    let (a, b) = ((2 * k) as i8, (2 * k + 1) as i8);
-    _mm_shuffle_epi8(
-        v,
-        _mm_setr_epi8(a, a, a, a, a, a, a, a, b, b, b, b, b, b, b, b),
-    )
+    let c = &SPLIT_I8[k as usize];
+    // SAFETY: `c` is 16 bytes; the load is unaligned.
+    _mm_shuffle_epi8(v, unsafe { _mm_loadu_si128(c.as_ptr().cast()) })
 }
 
 #[target_feature(enable = "avx2,fma")]

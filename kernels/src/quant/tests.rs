@@ -743,3 +743,77 @@ fn float_weights_compute_what_ggml_computes_bit_for_bit() {
         }
     }
 }
+
+/// Counts the heap allocations made on each thread (the dot products must make none: they
+/// run once per weight row and activation row, millions of times a step).
+#[allow(unsafe_code)]
+mod allocations {
+    use std::alloc::{GlobalAlloc, Layout, System};
+    use std::cell::Cell;
+
+    thread_local! {
+        static COUNT: Cell<usize> = const { Cell::new(0) };
+    }
+
+    struct Counting;
+
+    // SAFETY: every call is forwarded unchanged to the system allocator; the counter is a
+    // thread-local `Cell` with a constant initialiser, which never allocates.
+    unsafe impl GlobalAlloc for Counting {
+        unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
+            COUNT.with(|c| c.set(c.get() + 1));
+            // SAFETY: forwarded with the caller's guarantees.
+            unsafe { System.alloc(layout) }
+        }
+
+        unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
+            // SAFETY: forwarded with the caller's guarantees.
+            unsafe { System.dealloc(ptr, layout) }
+        }
+    }
+
+    #[global_allocator]
+    static GLOBAL: Counting = Counting;
+
+    /// Allocations this thread made while running `f`.
+    pub(super) fn during(f: impl FnOnce()) -> usize {
+        let before = COUNT.with(Cell::get);
+        f();
+        COUNT.with(Cell::get) - before
+    }
+}
+
+#[test]
+fn dot_products_never_allocate() {
+    let features = cpu::detect();
+    for (format, name) in ggml::K_FORMATS {
+        let rows = ggml::rows(name);
+        let row = &rows[0];
+        let a = kquant::quantize_row_q8k(&row.x);
+        #[cfg_attr(not(target_arch = "x86_64"), allow(unused_mut))]
+        let mut dots = vec![("portable", kquant::dot(format))];
+        #[cfg(target_arch = "x86_64")]
+        dots.extend(
+            features
+                .avx2()
+                .map(|cpu| ("avx2", kquant::avx2::dot(cpu, format))),
+        );
+        for (tier, dot) in dots {
+            let n = allocations::during(|| {
+                std::hint::black_box(dot(&row.weights, &a));
+            });
+            assert_eq!(n, 0, "{name} {tier}: {n} allocations in one dot product");
+        }
+    }
+    let x: Vec<f32> = (0..256).map(|i| i as f32 * 0.01 - 1.0).collect();
+    for (format, name) in [(FloatFormat::F16, "f16"), (FloatFormat::BF16, "bf16")] {
+        let row = &ggml::rows(name)[0];
+        for (tier, kernel) in float_kernels() {
+            let n = allocations::during(|| {
+                std::hint::black_box(kernel.dot(format, &row.weights, &x[..]));
+            });
+            assert_eq!(n, 0, "{name} {tier}: {n} allocations in one dot product");
+        }
+    }
+    let _ = features;
+}

@@ -371,6 +371,16 @@ mod ggml {
             .collect()
     }
 
+    /// The fixture row's weights decoded by `m` (a one-row matrix of them), checked bit for
+    /// bit against ggml's decoding.
+    pub(super) fn assert_decodes(m: &super::QuantMatrix, row: &Row, what: &str) -> Vec<f32> {
+        let mut back = vec![0f32; row.x.len()];
+        m.dequantize_row(0, &mut back);
+        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        assert_eq!(bits(&back), bits(&row.dequantized), "{what}: decoded");
+        back
+    }
+
     /// A Q8_K row in ggml's `block_q8_K` bytes.
     pub(super) fn q8k_bytes(a: &kquant::Q8KRow) -> Vec<u8> {
         let mut out = Vec::new();
@@ -422,14 +432,7 @@ fn k_quants_compute_what_ggml_computes_bit_for_bit() {
                 row.dot.to_bits(),
                 "{name} row {r}: matmul"
             );
-            let mut back = vec![0f32; row.x.len()];
-            kquant::dequantize_row(format, &row.weights, &mut back);
-            let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
-            assert_eq!(
-                bits(&back),
-                bits(&row.dequantized),
-                "{name} row {r}: dequantized"
-            );
+            ggml::assert_decodes(&m, row, &format!("{name} row {r}"));
         }
     }
 }
@@ -459,14 +462,7 @@ fn the_32_value_formats_compute_what_ggml_computes_bit_for_bit() {
             }
             let m =
                 QuantMatrix::from_gguf(format.into(), 1, row.x.len(), &row.weights).expect("sizes");
-            let mut back = vec![0f32; row.x.len()];
-            m.dequantize_row(0, &mut back);
-            let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
-            assert_eq!(
-                bits(&back),
-                bits(&row.dequantized),
-                "{name} row {r}: dequantized"
-            );
+            ggml::assert_decodes(&m, row, &format!("{name} row {r}"));
         }
     }
 }
@@ -486,14 +482,7 @@ fn the_5_bit_formats_compute_what_ggml_computes_bit_for_bit() {
                 assert_eq!(got.to_bits(), row.dot.to_bits(), "{name} row {r}: dot");
             }
             let m = QuantMatrix::from_gguf(format, 1, row.x.len(), &row.weights).expect("sizes");
-            let mut back = vec![0f32; row.x.len()];
-            m.dequantize_row(0, &mut back);
-            let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
-            assert_eq!(
-                bits(&back),
-                bits(&row.dequantized),
-                "{name} row {r}: dequantized"
-            );
+            ggml::assert_decodes(&m, row, &format!("{name} row {r}"));
             let out = m.matmul(&row.x);
             assert_eq!(
                 out[0].to_bits(),
@@ -697,14 +686,7 @@ fn float_weights_compute_what_ggml_computes_bit_for_bit() {
             let n = row.x.len();
             let m = QuantMatrix::from_gguf(WeightFormat::Float(format), 1, n, &row.weights)
                 .expect("sizes");
-            let mut back = vec![0f32; n];
-            m.dequantize_row(0, &mut back);
-            let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
-            assert_eq!(
-                bits(&back),
-                bits(&row.dequantized),
-                "{name} row {r}: decoded"
-            );
+            let back = ggml::assert_decodes(&m, row, &format!("{name} row {r}"));
             if format == FloatFormat::BF16 {
                 // ggml rounds the activations to BF16 as well; ours stay f32, so the
                 // product is the F32 product of the exactly widened weights.
@@ -785,7 +767,6 @@ mod allocations {
 
 #[test]
 fn dot_products_never_allocate() {
-    let features = cpu::detect();
     for (format, name) in ggml::K_FORMATS {
         let rows = ggml::rows(name);
         let row = &rows[0];
@@ -794,7 +775,7 @@ fn dot_products_never_allocate() {
         let mut dots = vec![("portable", kquant::dot(format))];
         #[cfg(target_arch = "x86_64")]
         dots.extend(
-            features
+            cpu::detect()
                 .avx2()
                 .map(|cpu| ("avx2", kquant::avx2::dot(cpu, format))),
         );
@@ -815,5 +796,4 @@ fn dot_products_never_allocate() {
             assert_eq!(n, 0, "{name} {tier}: {n} allocations in one dot product");
         }
     }
-    let _ = features;
 }

@@ -85,62 +85,49 @@ fn hsum(v: __m256) -> f32 {
     hsum8(lanes)
 }
 
-/// `_mm256_shuffle_epi8` controls that repeat the i16 at byte `2k` of each 128-bit half
-/// (ggml's `get_scale_shuffle_k4` rows), one per `k` of 0..8.
-const BROADCAST_I16: [[i8; 32]; 8] = {
-    let mut t = [[0i8; 32]; 8];
-    let mut k = 0;
-    while k < 8 {
-        let mut b = 0;
-        while b < 32 {
-            t[k][b] = (2 * k + b % 2) as i8;
-            b += 1;
+/// `K` byte-shuffle controls of `W` bytes, computed at compile time: byte `b` of control
+/// `k` is the byte index `$f`.
+macro_rules! shuffle_table {
+    ($n:literal, $w:literal, |$k:ident, $b:ident| $f:expr) => {{
+        let mut t = [[0i8; $w]; $n];
+        let mut $k = 0;
+        while $k < $n {
+            let mut $b = 0;
+            while $b < $w {
+                t[$k][$b] = ($f) as i8;
+                $b += 1;
+            }
+            $k += 1;
         }
-        k += 1;
-    }
-    t
-};
+        t
+    }};
+}
+
+/// Controls repeating the i16 at byte `2k` of each 128-bit half (ggml's
+/// `get_scale_shuffle_k4` rows), `k` of 0..8.
+const BROADCAST_I16: [[i8; 32]; 8] = shuffle_table!(8, 32, |k, b| 2 * k + b % 2);
 
 /// Controls repeating i16 lane `2k` in the low 128 bits and lane `2k + 1` in the high 128
 /// bits (ggml's `get_scale_shuffle_q3k` rows), `k` of 0..4.
-const SPLIT_I16: [[i8; 32]; 4] = {
-    let mut t = [[0i8; 32]; 4];
-    let mut k = 0;
-    while k < 4 {
-        let mut b = 0;
-        while b < 32 {
-            let lane = if b < 16 { 4 * k } else { 4 * k + 2 };
-            t[k][b] = (lane + b % 2) as i8;
-            b += 1;
-        }
-        k += 1;
-    }
-    t
-};
+const SPLIT_I16: [[i8; 32]; 4] = shuffle_table!(4, 32, |k, b| 4 * k + 2 * (b / 16) + b % 2);
 
 /// Controls giving byte `2k` eight times then byte `2k + 1` eight times (ggml's
 /// `get_scale_shuffle` rows), `k` of 0..8.
-const SPLIT_I8: [[i8; 16]; 8] = {
-    let mut t = [[0i8; 16]; 8];
-    let mut k = 0;
-    while k < 8 {
-        let mut b = 0;
-        while b < 16 {
-            t[k][b] = (2 * k + b / 8) as i8;
-            b += 1;
-        }
-        k += 1;
-    }
-    t
-};
+const SPLIT_I8: [[i8; 16]; 8] = shuffle_table!(8, 16, |k, b| 2 * k + b / 8);
+
+/// `v`'s bytes shuffled within each 128-bit half by the 32-byte control `c`.
+#[inline]
+#[target_feature(enable = "avx2")]
+fn shuffle(v: __m256i, c: &[i8; 32]) -> __m256i {
+    // SAFETY: `c` is 32 bytes; the load is unaligned.
+    _mm256_shuffle_epi8(v, unsafe { _mm256_loadu_si256(c.as_ptr().cast()) })
+}
 
 /// i16 lane `k` of the eight in `v`, in every lane (a `get_scale_shuffle_k4` row).
 #[inline]
 #[target_feature(enable = "avx2")]
 fn broadcast_i16(v: __m256i, k: i32) -> __m256i {
-    let c = &BROADCAST_I16[k as usize];
-    // SAFETY: `c` is 32 bytes; the load is unaligned.
-    _mm256_shuffle_epi8(v, unsafe { _mm256_loadu_si256(c.as_ptr().cast()) })
+    shuffle(v, &BROADCAST_I16[k as usize])
 }
 
 /// i16 lanes `2k` (to the low eight) and `2k + 1` (the high eight) of each 128-bit half of
@@ -148,9 +135,7 @@ fn broadcast_i16(v: __m256i, k: i32) -> __m256i {
 #[inline]
 #[target_feature(enable = "avx2")]
 fn split_i16(v: __m256i, k: i32) -> __m256i {
-    let c = &SPLIT_I16[k as usize];
-    // SAFETY: `c` is 32 bytes; the load is unaligned.
-    _mm256_shuffle_epi8(v, unsafe { _mm256_loadu_si256(c.as_ptr().cast()) })
+    shuffle(v, &SPLIT_I16[k as usize])
 }
 
 /// Bytes of scales `2k` (eight times) then `2k + 1` (eight times) of `v` (a

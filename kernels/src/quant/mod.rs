@@ -339,15 +339,27 @@ impl QuantMatrix {
         let m = x.len() / self.cols;
         let features = cpu::detect();
         match self.format {
-            WeightFormat::K(k) => {
-                self.matmul_pairs(x, m, kquant::quantize_row_q8k, kquant_dot(features, k))
-            }
-            WeightFormat::Q5_0 => {
-                self.matmul_pairs(x, m, |r| quantize_row(r, false), q5_dot(features, true))
-            }
-            WeightFormat::Q5_1 => {
-                self.matmul_pairs(x, m, |r| quantize_row(r, true), q5_dot(features, false))
-            }
+            WeightFormat::K(k) => self.matmul_pairs(
+                x,
+                m,
+                kquant::quantize_row_q8k,
+                kquant_dot(features, k),
+                kquant_tile(features, k).filter(|_| m >= KQUANT_TILE_MIN_ROWS),
+            ),
+            WeightFormat::Q5_0 => self.matmul_pairs(
+                x,
+                m,
+                |r| quantize_row(r, false),
+                q5_dot(features, true),
+                None,
+            ),
+            WeightFormat::Q5_1 => self.matmul_pairs(
+                x,
+                m,
+                |r| quantize_row(r, true),
+                q5_dot(features, false),
+                None,
+            ),
             WeightFormat::Float(f) => self.matmul_float(f, x, m),
             _ => {
                 let f = self.format.small().unwrap_or(BlockFormat::Q8_0);
@@ -361,17 +373,52 @@ impl QuantMatrix {
     }
 
     /// The product of the formats run one (weight row, activation row) dot product at a
-    /// time (K-quants, Q5_0, Q5_1): the activation rows quantized once by `quantize`, the
-    /// weight rows split among the threads (each streamed once for all activation rows) or,
-    /// for long prefills, the activation rows. The split never changes a result.
+    /// time (K-quants, Q5_0, Q5_1) or, where there is a `tile` for the format, four weight
+    /// rows at a time against every activation row: the activation rows quantized once by
+    /// `quantize`, the weight rows split among the threads (each streamed once for all
+    /// activation rows) or, for long prefills, the activation rows. A tile gives each pair
+    /// its dot product's bits, so neither the split nor the tile changes a result.
     fn matmul_pairs<A: Sync>(
         &self,
         x: &[f32],
         m: usize,
         quantize: impl Fn(&[f32]) -> A + Sync,
         dot: fn(&[u8], &A) -> f32,
+        tile: Option<PairTile<A>>,
     ) -> Buf {
         let mut out = Buf::take(m * self.rows);
+        // Rows `first..first + n` against `acts`, the result for activation `i` and weight
+        // row `first + r` handed to `put(i, r, value)`.
+        let run = |first: usize, n: usize, acts: &[A], put: &mut dyn FnMut(usize, usize, f32)| {
+            let mut done = 0;
+            if let Some(tile) = tile {
+                let mut tiles = vec![[0f32; 4]; acts.len()];
+                done = n / 4 * 4;
+                for row in (first..first + done).step_by(4) {
+                    tile(
+                        [0, 1, 2, 3].map(|j| self.weight_row(row + j)),
+                        acts,
+                        &mut tiles,
+                    );
+                    for (i, t) in tiles.iter().enumerate() {
+                        for (j, &v) in t.iter().enumerate() {
+                            put(i, row - first + j, v);
+                        }
+                    }
+                }
+            } else {
+                self.prefetch_rows(first, first + 4 * PREFETCH_QUADS, first + n);
+            }
+            for r in done..n {
+                let at = first + r;
+                let ahead = at + 4 * PREFETCH_QUADS;
+                self.prefetch_rows(ahead, ahead + 1, first + n);
+                let w = self.weight_row(at);
+                for (i, a) in acts.iter().enumerate() {
+                    put(i, r, dot(w, a));
+                }
+            }
+        };
         if m <= WEIGHT_PARALLEL_MAX_ROWS {
             let acts: Vec<A> = x.chunks_exact(self.cols).map(&quantize).collect();
             let per_task = self.rows_per_weight_task();
@@ -380,21 +427,8 @@ impl QuantMatrix {
                 .par_chunks_mut(m)
                 .enumerate()
                 .for_each(|(task, dst)| {
-                    let first = task * per_task;
                     let n = dst[0].len();
-                    self.prefetch_rows(first, first + 4 * PREFETCH_QUADS, first + n);
-                    for r in 0..n {
-                        let at = first + r;
-                        self.prefetch_rows(
-                            at + 4 * PREFETCH_QUADS,
-                            at + 4 * PREFETCH_QUADS + 1,
-                            first + n,
-                        );
-                        let w = self.weight_row(at);
-                        for (d, a) in dst.iter_mut().zip(&acts) {
-                            d[r] = dot(w, a);
-                        }
-                    }
+                    run(task * per_task, n, &acts, &mut |i, r, v| dst[i][r] = v);
                 });
         } else {
             let (fewest, most) = ACT_ROWS_PER_TASK;
@@ -409,12 +443,8 @@ impl QuantMatrix {
                         .chunks_exact(self.cols)
                         .map(&quantize)
                         .collect();
-                    for r in 0..self.rows {
-                        let w = self.weight_row(r);
-                        for (i, a) in acts.iter().enumerate() {
-                            dst[i * self.rows + r] = dot(w, a);
-                        }
-                    }
+                    let stride = self.rows;
+                    run(0, self.rows, &acts, &mut |i, r, v| dst[i * stride + r] = v);
                 });
         }
         out
@@ -729,6 +759,25 @@ fn q5_dot(features: cpu::Features, signed: bool) -> Dot {
         q5::dot_q5_0
     } else {
         q5::dot_q5_1
+    }
+}
+
+/// A tile of four weight rows against many activation rows, each result its pair's dot
+/// product bit for bit.
+type PairTile<A> = fn([&[u8]; 4], &[A], &mut [[f32; 4]]);
+
+/// Activation rows from which a K-quant product runs four weight rows at a time: a weight
+/// super-block is then unpacked once for all of them rather than once per pair.
+const KQUANT_TILE_MIN_ROWS: usize = 2;
+
+/// The K-quant tile for `format` on the best tier `features` has, if it has one.
+fn kquant_tile(features: cpu::Features, format: KFormat) -> Option<PairTile<kquant::Q8KRow>> {
+    #[cfg(target_arch = "x86_64")]
+    return kquant::tile::tile(features, format);
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        let _ = (features, format);
+        None
     }
 }
 

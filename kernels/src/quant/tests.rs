@@ -797,3 +797,101 @@ fn dot_products_never_allocate() {
         }
     }
 }
+
+/// `rows` weight rows of `cols` values in `format`: bytes from a fixed sequence, the f16
+/// scales written as finite values.
+fn kquant_rows(format: KFormat, rows: usize, cols: usize, salt: usize) -> Vec<u8> {
+    let n = rows * cols / kquant::QK_K * format.block_bytes();
+    let mut bytes: Vec<u8> = (0..n)
+        .map(|i| ((i * 131 + salt * 71) % 251) as u8 ^ (i >> 7) as u8)
+        .collect();
+    let scales: &[usize] = match format {
+        KFormat::Q2K => &[80, 82],
+        KFormat::Q3K => &[108],
+        KFormat::Q4K | KFormat::Q5K => &[0, 2],
+        KFormat::Q6K => &[208],
+    };
+    for (b, block) in bytes.chunks_exact_mut(format.block_bytes()).enumerate() {
+        for (k, &at) in scales.iter().enumerate() {
+            let v = 0.002 + ((b * 7 + k * 3) % 13) as f32 * 0.0007;
+            block[at..at + 2].copy_from_slice(&f16::from_f32(v).to_le_bytes());
+        }
+    }
+    bytes
+}
+
+#[test]
+fn k_quant_tiles_give_every_pair_its_dot_product_bit_for_bit() {
+    let features = cpu::detect();
+    // Each tier's tile for a format, if this CPU has the tier.
+    type TileFor = fn(KFormat) -> Option<PairTile<kquant::Q8KRow>>;
+    #[cfg_attr(not(target_arch = "x86_64"), allow(unused_mut))]
+    let mut tiers: Vec<(&str, TileFor)> = Vec::new();
+    #[cfg(target_arch = "x86_64")]
+    {
+        tiers.push(("best", |f| kquant::tile::tile(cpu::detect(), f)));
+        tiers.push(("avx2", |f| {
+            cpu::detect()
+                .avx2()
+                .map(|cpu| kquant::tile::tile_avx2(cpu, f))
+        }));
+    }
+    if features.tiers().len() < 2 {
+        eprintln!("K-quant tiles: this CPU has no AVX2, only the pairwise path was checked");
+    }
+    let cols = 3 * kquant::QK_K;
+    for (format, name) in ggml::K_FORMATS {
+        let rows: Vec<Vec<u8>> = (0..4).map(|r| kquant_rows(format, 1, cols, r)).collect();
+        let quad = [&rows[0][..], &rows[1], &rows[2], &rows[3]];
+        // 37 activation rows: more than one group of the tile's accumulators.
+        let acts: Vec<kquant::Q8KRow> = (0..37)
+            .map(|a| {
+                let x: Vec<f32> = (0..cols)
+                    .map(|i| (((i * 37 + a * 11) % 101) as f32 - 50.0) * 0.013 * (1 + a % 3) as f32)
+                    .collect();
+                kquant::quantize_row_q8k(&x)
+            })
+            .collect();
+        let want: Vec<[u32; 4]> = acts
+            .iter()
+            .map(|a| quad.map(|w| kquant::dot(format)(w, a).to_bits()))
+            .collect();
+        for (tier, tile) in &tiers {
+            let Some(tile) = tile(format) else {
+                eprintln!("{name}: no {tier} tile on this CPU");
+                continue;
+            };
+            for n in [1, 2, 5, 37] {
+                let mut out = vec![[0f32; 4]; n];
+                tile(quad, &acts[..n], &mut out);
+                let got: Vec<[u32; 4]> = out.iter().map(|o| o.map(f32::to_bits)).collect();
+                assert_eq!(got, want[..n], "{name} {tier} tile of {n}");
+            }
+        }
+    }
+}
+
+#[test]
+fn k_quant_products_give_every_row_its_single_row_result_in_any_batch() {
+    // 38 weight rows: quads and rows outside any quad.
+    let (rows, cols) = (38, 2 * kquant::QK_K);
+    for (format, name) in ggml::K_FORMATS {
+        let w = kquant_rows(format, rows, cols, 5);
+        let mat = QuantMatrix::from_gguf(WeightFormat::K(format), rows, cols, &w).expect("sizes");
+        for m in [2, 7, WEIGHT_PARALLEL_MAX_ROWS + 1, 70] {
+            let x: Vec<f32> = (0..m * cols)
+                .map(|i| ((i * 11) % 19) as f32 / 19.0 - 0.45)
+                .collect();
+            let out = mat.matmul(&x);
+            for i in 0..m {
+                let alone = mat.matmul(&x[i * cols..(i + 1) * cols]);
+                let want: Vec<u32> = alone.iter().map(|v| v.to_bits()).collect();
+                let got: Vec<u32> = out[i * rows..(i + 1) * rows]
+                    .iter()
+                    .map(|v| v.to_bits())
+                    .collect();
+                assert_eq!(got, want, "{name} batch {m}, row {i}");
+            }
+        }
+    }
+}

@@ -51,7 +51,7 @@ fn q3k(w: &[u8], a: &Q8KRow) -> f32 {
 /// 32 bytes at `at` of `b` (which must hold them), unaligned.
 #[inline]
 #[target_feature(enable = "avx2")]
-fn load32(b: &[u8], at: usize) -> __m256i {
+pub(super) fn load32(b: &[u8], at: usize) -> __m256i {
     assert!(b.len() >= at + 32);
     // SAFETY: the assertion keeps the 32 bytes read inside `b`; the load is unaligned.
     unsafe { _mm256_loadu_si256(b.as_ptr().add(at).cast()) }
@@ -60,7 +60,7 @@ fn load32(b: &[u8], at: usize) -> __m256i {
 /// 32 activation bytes at `at`.
 #[inline]
 #[target_feature(enable = "avx2")]
-fn load_q8(q: &[i8], at: usize) -> __m256i {
+pub(super) fn load_q8(q: &[i8], at: usize) -> __m256i {
     assert!(q.len() >= at + 32);
     // SAFETY: as in `load32`.
     unsafe { _mm256_loadu_si256(q.as_ptr().add(at).cast()) }
@@ -69,7 +69,7 @@ fn load_q8(q: &[i8], at: usize) -> __m256i {
 /// The sixteen block sums of super-block `i`.
 #[inline]
 #[target_feature(enable = "avx2")]
-fn bsums(a: &Q8KRow, i: usize) -> __m256i {
+pub(super) fn bsums(a: &Q8KRow, i: usize) -> __m256i {
     let s = &a.bsums[16 * i..16 * (i + 1)];
     // SAFETY: `s` is exactly sixteen i16 (32 bytes); the load is unaligned.
     unsafe { _mm256_loadu_si256(s.as_ptr().cast()) }
@@ -78,7 +78,7 @@ fn bsums(a: &Q8KRow, i: usize) -> __m256i {
 /// The eight f32 lanes, summed as ggml's `hsum_float_8`.
 #[inline]
 #[target_feature(enable = "avx")]
-fn hsum(v: __m256) -> f32 {
+pub(super) fn hsum(v: __m256) -> f32 {
     let mut lanes = [0f32; 8];
     // SAFETY: `lanes` holds exactly eight f32; the store is unaligned.
     unsafe { _mm256_storeu_ps(lanes.as_mut_ptr(), v) };
@@ -126,7 +126,7 @@ fn shuffle(v: __m256i, c: &[i8; 32]) -> __m256i {
 /// i16 lane `k` of the eight in `v`, in every lane (a `get_scale_shuffle_k4` row).
 #[inline]
 #[target_feature(enable = "avx2")]
-fn broadcast_i16(v: __m256i, k: i32) -> __m256i {
+pub(super) fn broadcast_i16(v: __m256i, k: i32) -> __m256i {
     shuffle(v, &BROADCAST_I16[k as usize])
 }
 
@@ -134,7 +134,7 @@ fn broadcast_i16(v: __m256i, k: i32) -> __m256i {
 /// `v` (a `get_scale_shuffle_q3k` row).
 #[inline]
 #[target_feature(enable = "avx2")]
-fn split_i16(v: __m256i, k: i32) -> __m256i {
+pub(super) fn split_i16(v: __m256i, k: i32) -> __m256i {
     shuffle(v, &SPLIT_I16[k as usize])
 }
 
@@ -142,7 +142,7 @@ fn split_i16(v: __m256i, k: i32) -> __m256i {
 /// `get_scale_shuffle` row).
 #[inline]
 #[target_feature(enable = "avx2")]
-fn split_i8(v: __m128i, k: i32) -> __m128i {
+pub(super) fn split_i8(v: __m128i, k: i32) -> __m128i {
     let c = &SPLIT_I8[k as usize];
     // SAFETY: `c` is 16 bytes; the load is unaligned.
     _mm_shuffle_epi8(v, unsafe { _mm_loadu_si128(c.as_ptr().cast()) })

@@ -12,6 +12,9 @@
 #[cfg(target_arch = "x86_64")]
 #[allow(unsafe_code)]
 pub(super) mod avx2;
+#[cfg(target_arch = "x86_64")]
+#[allow(unsafe_code)]
+pub(super) mod tile;
 
 use half::f16;
 

@@ -1,0 +1,596 @@
+//! K-quant products of four weight rows with many activation rows at once. Each weight
+//! super-block is unpacked once — its values to bytes, its scales to the i16 lanes ggml's
+//! dot products multiply by — and then met by every activation row, where the pairwise
+//! dot product ([`super::avx2`]) unpacks it again for each.
+//!
+//! Every (weight row, activation row) pair still gets ggml's result bit for bit: its eight
+//! i32 lanes are exact sums of exact products (no byte pair product saturates in any
+//! K-quant), equal whatever order their terms are added in, and its float accumulation runs
+//! super-block by super-block with ggml's fused multiply-adds on those lanes. The AVX-512
+//! variant multiplies two 32-value chunks per instruction and adds the halves before the
+//! float step. Q3_K's signed values are met as `value + 4`, and `4 * y` taken off per byte
+//! pair: the same i16 ggml forms from its two products.
+
+use std::arch::x86_64::*;
+
+use super::avx2::{broadcast_i16, bsums, hsum, load32, load_q8, split_i16, split_i8};
+use super::{f16_at, scales_mins_k4, scales_q3k, KFormat, Q8KRow, QK_K};
+use crate::cpu::Features;
+use crate::quant::portable::hsum8;
+use crate::quant::PairTile;
+
+/// A tile: four weight rows (whole rows of one K-quant format) times every activation row,
+/// `out[a][r]` the product of activation row `a` with weight row `r`.
+type Tile = PairTile<Q8KRow>;
+
+/// The tile for `format` on the widest tier `features` has, if it has AVX2.
+pub(crate) fn tile(features: Features, format: KFormat) -> Option<Tile> {
+    let avx2 = features.avx2()?;
+    if features.avx512().is_none() {
+        return Some(tile_avx2(avx2, format));
+    }
+    Some(match format {
+        KFormat::Q2K => run_avx512::<Q2>,
+        KFormat::Q3K => run_avx512::<Q3>,
+        KFormat::Q4K => run_avx512::<Q4>,
+        KFormat::Q5K => run_avx512::<Q5>,
+        KFormat::Q6K => run_avx512::<Q6>,
+    })
+}
+
+/// The tile on AVX2 alone (the kernel tests check it on AVX-512 CPUs too).
+pub(crate) fn tile_avx2(cpu: crate::cpu::Avx2, format: KFormat) -> Tile {
+    let _ = cpu;
+    match format {
+        KFormat::Q2K => run_avx2::<Q2>,
+        KFormat::Q3K => run_avx2::<Q3>,
+        KFormat::Q4K => run_avx2::<Q4>,
+        KFormat::Q5K => run_avx2::<Q5>,
+        KFormat::Q6K => run_avx2::<Q6>,
+    }
+}
+
+// The formats, as the kernels' const parameter.
+const Q2: u8 = 0;
+const Q3: u8 = 1;
+const Q4: u8 = 2;
+const Q5: u8 = 3;
+const Q6: u8 = 4;
+
+const fn format(f: u8) -> KFormat {
+    match f {
+        Q2 => KFormat::Q2K,
+        Q3 => KFormat::Q3K,
+        Q4 => KFormat::Q4K,
+        Q5 => KFormat::Q5K,
+        _ => KFormat::Q6K,
+    }
+}
+
+/// Activation rows whose accumulators a tile holds at once (on the stack); a weight
+/// super-block is unpacked once per group.
+const GROUP: usize = 32;
+
+/// Activation rows the AVX-512 tile meets each weight load with: a quad's unpacked values
+/// and scales (32 registers' worth) do not fit in registers, so each load serves this many.
+const ACT_BLOCK: usize = 4;
+
+fn run_avx2<const F: u8>(rows: [&[u8]; 4], acts: &[Q8KRow], out: &mut [[f32; 4]]) {
+    // SAFETY: handed out only by `tile` and `tile_avx2`, which saw the AVX2 token.
+    unsafe { tile_avx2_body::<F>(rows, acts, out) }
+}
+
+fn run_avx512<const F: u8>(rows: [&[u8]; 4], acts: &[Q8KRow], out: &mut [[f32; 4]]) {
+    // SAFETY: handed out only by `tile`, which saw the AVX-512 (F, BW, VL) token.
+    unsafe { tile_avx512_body::<F>(rows, acts, out) }
+}
+
+/// A weight row's super-block, unpacked, beyond its values and their scales.
+#[derive(Clone, Copy)]
+struct Scalars {
+    /// Q4_K and Q5_K: the eight minimums (low half); Q2_K: the sixteen minimums; Q6_K: the
+    /// sixteen scales.
+    extra: __m256i,
+    d: f32,
+    dmin: f32,
+}
+
+/// One weight row's super-block, unpacked (the AVX2 tile).
+#[derive(Clone, Copy)]
+struct Unpacked {
+    /// Chunk `c`: the 32 values, as unsigned bytes, meeting activation bytes `32c..32c + 32`.
+    q: [__m256i; 8],
+    /// Chunk `c`: the i16 scale of each of its sixteen byte pairs.
+    s: [__m256i; 8],
+    k: Scalars,
+}
+
+/// One activation row's super-block.
+struct Act<'a> {
+    /// Its 256 bytes.
+    bytes: &'a [i8],
+    bsums: __m256i,
+    /// Q4_K and Q5_K: the sums of each 32 bytes (pairs of `bsums` added).
+    q8s: __m128i,
+    d: f32,
+}
+
+/// One pair's float accumulators (the AVX2 tile).
+#[derive(Clone, Copy)]
+struct PairAcc {
+    acc: __m256,
+    /// Q4_K: the four minimum lanes.
+    m: __m128,
+    /// Q5_K: the minimums' scalar sum.
+    s: f32,
+}
+
+/// One activation row's float accumulators against four weight rows (the AVX-512 tile):
+/// rows 0 and 1's eight lanes in `acc[0]`, rows 2 and 3's in `acc[1]`; in `m`, row `r`'s
+/// Q4_K minimum lanes (or, in lane `4r`, its Q5_K minimums' sum) at lanes `4r..4r + 4`.
+#[derive(Clone, Copy)]
+struct QuadAcc {
+    acc: [__m512; 2],
+    m: __m512,
+}
+
+/// Four weight rows' super-block, unpacked, with what the AVX-512 float step multiplies by.
+/// Aligned to a cache line, so no 512-bit load of its values or scales straddles two.
+#[repr(C, align(64))]
+struct Quad {
+    /// Rows `2h` and `2h + 1`'s chunk `c` side by side at `q[h][2c..2c + 2]`: one 512-bit
+    /// load meets the activation chunk twice over.
+    q: [[__m256i; 16]; 2],
+    /// Their scales, laid out as `q`.
+    s: [[__m256i; 16]; 2],
+    k: [Scalars; 4],
+    /// Rows 0 and 1's `d` (eight lanes each), then rows 2 and 3's.
+    d: [__m512; 2],
+    /// The same for `dmin` (Q2_K).
+    dmin: [__m512; 2],
+    /// Row `r`'s `dmin` at lanes `4r..4r + 4` (Q4_K, Q5_K).
+    dmin4: __m512,
+    /// Row `r`'s eight i16 minimums in 128-bit lane `r` (Q4_K, Q5_K).
+    mins4: __m512i,
+    /// Rows 0 and 1's `extra`, then rows 2 and 3's (Q2_K, Q6_K).
+    extra2: [__m512i; 2],
+}
+
+#[inline]
+#[target_feature(enable = "avx2")]
+/// Unpacks super-block `b`: chunk `c`'s values to `q[c * stride + offset]` and its scales
+/// to `s[c * stride + offset]`, the rest to `u`.
+fn unpack<const F: u8>(
+    b: &[u8],
+    q: &mut [__m256i],
+    s: &mut [__m256i],
+    (stride, offset): (usize, usize),
+    u: &mut Scalars,
+) {
+    let zero = _mm256_setzero_si256();
+    let at = |c: usize| c * stride + offset;
+    match F {
+        Q4 | Q5 => {
+            let (scales8, mins8) = scales_mins_k4(&b[4..16]);
+            let mut sm = [0u8; 16];
+            sm[..8].copy_from_slice(&scales8);
+            sm[8..].copy_from_slice(&mins8);
+            // SAFETY: `sm` is sixteen bytes; the load is unaligned.
+            let ms = _mm256_cvtepu8_epi16(unsafe { _mm_loadu_si128(sm.as_ptr().cast()) });
+            let sc128 = _mm256_extracti128_si256::<0>(ms);
+            let scales = _mm256_set_m128i(sc128, sc128);
+            u.extra = _mm256_zextsi128_si256(_mm256_extracti128_si256::<1>(ms));
+            let m4 = _mm256_set1_epi8(0xF);
+            let hbits = if F == Q5 { load32(b, 16) } else { zero };
+            let (start, mone) = (if F == Q5 { 48 } else { 16 }, _mm256_set1_epi8(1));
+            for j in 0..QK_K / 64 {
+                let bits = load32(b, start + 32 * j);
+                let mut lo = _mm256_and_si256(bits, m4);
+                let mut hi = _mm256_and_si256(_mm256_srli_epi16::<4>(bits), m4);
+                if F == Q5 {
+                    let high = |bit: usize| {
+                        let shifted = _mm256_srl_epi16(hbits, _mm_cvtsi32_si128(bit as i32));
+                        _mm256_slli_epi16::<4>(_mm256_and_si256(shifted, mone))
+                    };
+                    lo = _mm256_add_epi8(lo, high(2 * j));
+                    hi = _mm256_add_epi8(hi, high(2 * j + 1));
+                }
+                q[at(2 * j)] = lo;
+                q[at(2 * j + 1)] = hi;
+                s[at(2 * j)] = broadcast_i16(scales, 2 * j as i32);
+                s[at(2 * j + 1)] = broadcast_i16(scales, 2 * j as i32 + 1);
+            }
+            u.d = f16_at(b, 0);
+            u.dmin = f16_at(b, 2);
+        }
+        Q6 => {
+            // SAFETY: the super-block's sixteen scale bytes start at 192 of its 210.
+            let scales = unsafe { _mm_loadu_si128(b[192..208].as_ptr().cast()) };
+            u.extra = _mm256_cvtepi8_epi16(scales);
+            let (m3, m15) = (_mm256_set1_epi8(3), _mm256_set1_epi8(15));
+            for j in 0..QK_K / 128 {
+                let bits1 = load32(b, 64 * j);
+                let bits2 = load32(b, 64 * j + 32);
+                let h = load32(b, 128 + 32 * j);
+                let h0 = _mm256_slli_epi16::<4>(_mm256_and_si256(h, m3));
+                let h1 = _mm256_slli_epi16::<2>(_mm256_and_si256(h, _mm256_set1_epi8(12)));
+                let h2 = _mm256_and_si256(h, _mm256_set1_epi8(48));
+                let h3 = _mm256_srli_epi16::<2>(_mm256_and_si256(h, _mm256_set1_epi8(-64)));
+                let high4 = |v: __m256i| _mm256_and_si256(_mm256_srli_epi16::<4>(v), m15);
+                q[at(4 * j)] = _mm256_or_si256(_mm256_and_si256(bits1, m15), h0);
+                q[at(4 * j + 1)] = _mm256_or_si256(_mm256_and_si256(bits2, m15), h1);
+                q[at(4 * j + 2)] = _mm256_or_si256(high4(bits1), h2);
+                q[at(4 * j + 3)] = _mm256_or_si256(high4(bits2), h3);
+                for k in 0..4 {
+                    let c = 4 * j + k;
+                    s[at(c)] = _mm256_cvtepi8_epi16(split_i8(scales, c as i32));
+                }
+            }
+            u.d = f16_at(b, 208);
+        }
+        Q2 => {
+            // SAFETY: the super-block's sixteen scale bytes are its first.
+            let ms = unsafe { _mm_loadu_si128(b[0..16].as_ptr().cast()) };
+            let m4 = _mm_set1_epi8(0xF);
+            let scales8 = _mm_and_si128(ms, m4);
+            u.extra = _mm256_cvtepi8_epi16(_mm_and_si128(_mm_srli_epi16::<4>(ms), m4));
+            let all = _mm256_cvtepi8_epi16(scales8);
+            let (lo, hi) = (
+                _mm256_extracti128_si256::<0>(all),
+                _mm256_extracti128_si256::<1>(all),
+            );
+            let halves = [_mm256_set_m128i(lo, lo), _mm256_set_m128i(hi, hi)];
+            let m3 = _mm256_set1_epi8(3);
+            for (j, scales) in halves.iter().enumerate() {
+                let bits = load32(b, 16 + 32 * j);
+                for k in 0..4 {
+                    let shift = _mm_cvtsi32_si128(2 * k as i32);
+                    q[at(4 * j + k)] = _mm256_and_si256(_mm256_srl_epi16(bits, shift), m3);
+                    s[at(4 * j + k)] = split_i16(*scales, k as i32);
+                }
+            }
+            u.d = f16_at(b, 80);
+            u.dmin = f16_at(b, 82);
+        }
+        _ => {
+            let sc = scales_q3k(&b[96..108]);
+            // SAFETY: `sc` is sixteen i16 (32 bytes); the load is unaligned.
+            let all = unsafe { _mm256_loadu_si256(sc.as_ptr().cast()) };
+            let (lo, hi) = (
+                _mm256_extracti128_si256::<0>(all),
+                _mm256_extracti128_si256::<1>(all),
+            );
+            let halves = [_mm256_set_m128i(lo, lo), _mm256_set_m128i(hi, hi)];
+            let (m3, mone) = (_mm256_set1_epi8(3), _mm256_set1_epi8(1));
+            let hbits = load32(b, 0);
+            for (j, scales) in halves.iter().enumerate() {
+                let bits = load32(b, 32 + 32 * j);
+                for k in 0..4 {
+                    let shift = _mm_cvtsi32_si128(2 * k as i32);
+                    let bit = _mm_cvtsi32_si128((4 * j + k) as i32);
+                    let low = _mm256_and_si256(_mm256_srl_epi16(bits, shift), m3);
+                    let set = _mm256_and_si256(_mm256_srl_epi16(hbits, bit), mone);
+                    q[at(4 * j + k)] = _mm256_or_si256(low, _mm256_slli_epi16::<2>(set));
+                    s[at(4 * j + k)] = split_i16(*scales, k as i32);
+                }
+            }
+            u.d = f16_at(b, 108);
+        }
+    }
+}
+
+#[inline]
+#[target_feature(enable = "avx2")]
+fn act<const F: u8>(a: &Q8KRow, i: usize) -> Act<'_> {
+    let bsums = bsums(a, i);
+    let q8s = if F == Q4 || F == Q5 {
+        _mm_hadd_epi16(
+            _mm256_extracti128_si256::<0>(bsums),
+            _mm256_extracti128_si256::<1>(bsums),
+        )
+    } else {
+        _mm_setzero_si128()
+    };
+    Act {
+        bytes: &a.qs[i * QK_K..(i + 1) * QK_K],
+        bsums,
+        q8s,
+        d: a.d[i],
+    }
+}
+
+/// The pair's eight integer lanes, a chunk at a time.
+#[inline]
+#[target_feature(enable = "avx2")]
+fn sumi_avx2<const F: u8>(u: &Unpacked, a: &Act) -> __m256i {
+    let mut sumi = _mm256_setzero_si256();
+    let four = _mm256_set1_epi8(4);
+    for c in 0..8 {
+        let y = load_q8(a.bytes, 32 * c);
+        let mut p16 = _mm256_maddubs_epi16(u.q[c], y);
+        if F == Q3 {
+            p16 = _mm256_sub_epi16(p16, _mm256_maddubs_epi16(four, y));
+        }
+        sumi = _mm256_add_epi32(sumi, _mm256_madd_epi16(u.s[c], p16));
+    }
+    sumi
+}
+
+/// The pair's float step for one super-block, as ggml's dot product takes it.
+#[inline]
+#[target_feature(enable = "avx2,fma")]
+fn accumulate<const F: u8>(u: &Unpacked, a: &Act, mut sumi: __m256i, p: &mut PairAcc) {
+    let (d, dmin) = (a.d * u.k.d, -a.d * u.k.dmin);
+    match F {
+        Q4 => {
+            let prod = _mm_madd_epi16(_mm256_castsi256_si128(u.k.extra), a.q8s);
+            p.m = _mm_fmadd_ps(_mm_set1_ps(dmin), _mm_cvtepi32_ps(prod), p.m);
+        }
+        Q5 => {
+            let prod = _mm_madd_epi16(_mm256_castsi256_si128(u.k.extra), a.q8s);
+            let zero = _mm_setzero_si128();
+            let hs = _mm_hadd_epi32(_mm_hadd_epi32(prod, zero), zero);
+            p.s = dmin.mul_add(_mm_cvtsi128_si32(hs) as f32, p.s);
+        }
+        Q6 => {
+            let sub = _mm256_slli_epi32::<5>(_mm256_madd_epi16(a.bsums, u.k.extra));
+            sumi = _mm256_sub_epi32(sumi, sub);
+        }
+        Q2 => {
+            let prod = _mm256_madd_epi16(u.k.extra, a.bsums);
+            p.acc = _mm256_fmadd_ps(_mm256_set1_ps(dmin), _mm256_cvtepi32_ps(prod), p.acc);
+        }
+        _ => {}
+    }
+    p.acc = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(sumi), p.acc);
+}
+
+/// The pair's result, reduced as ggml reduces it.
+#[inline]
+#[target_feature(enable = "avx2")]
+fn finish<const F: u8>(p: &PairAcc) -> f32 {
+    match F {
+        Q4 => {
+            let m = _mm_add_ps(p.m, _mm_movehl_ps(p.m, p.m));
+            let m = _mm_add_ss(m, _mm_movehdup_ps(m));
+            hsum(p.acc) + _mm_cvtss_f32(m)
+        }
+        Q5 => hsum(p.acc) + p.s,
+        _ => hsum(p.acc),
+    }
+}
+
+/// Nothing unpacked yet, for the tiles to unpack into.
+#[inline]
+#[target_feature(enable = "avx2")]
+fn no_scalars() -> Scalars {
+    Scalars {
+        extra: _mm256_setzero_si256(),
+        d: 0.0,
+        dmin: 0.0,
+    }
+}
+
+/// The AVX2 tile: each pair's integer lanes a chunk at a time, its float step alone.
+#[target_feature(enable = "avx2,fma")]
+fn tile_avx2_body<const F: u8>(rows: [&[u8]; 4], acts: &[Q8KRow], out: &mut [[f32; 4]]) {
+    let bytes = format(F).block_bytes();
+    let nb = rows[0].len() / bytes;
+    let zero = PairAcc {
+        acc: _mm256_setzero_ps(),
+        m: _mm_setzero_ps(),
+        s: 0.0,
+    };
+    let zi = _mm256_setzero_si256();
+    let mut u = [Unpacked {
+        q: [zi; 8],
+        s: [zi; 8],
+        k: no_scalars(),
+    }; 4];
+    for (group, out) in acts.chunks(GROUP).zip(out.chunks_mut(GROUP)) {
+        let mut accs = [[zero; 4]; GROUP];
+        for i in 0..nb {
+            for (u, w) in u.iter_mut().zip(rows) {
+                let b = &w[i * bytes..(i + 1) * bytes];
+                unpack::<F>(b, &mut u.q, &mut u.s, (1, 0), &mut u.k);
+            }
+            for (a, accs) in group.iter().zip(accs.iter_mut()) {
+                let a = act::<F>(a, i);
+                for (u, p) in u.iter().zip(accs.iter_mut()) {
+                    accumulate::<F>(u, &a, sumi_avx2::<F>(u, &a), p);
+                }
+            }
+        }
+        for (o, accs) in out.iter_mut().zip(&accs) {
+            for (o, p) in o.iter_mut().zip(accs) {
+                *o = finish::<F>(p);
+            }
+        }
+    }
+}
+
+/// Fills `quad`'s float constants from its four rows' scalars.
+#[inline]
+#[target_feature(enable = "avx512f,avx2")]
+fn quad_constants<const F: u8>(quad: &mut Quad) {
+    let k = &quad.k;
+    let eight = |a: f32, b: f32| {
+        let (a, b) = (_mm512_set1_ps(a), _mm256_set1_ps(b));
+        _mm512_castpd_ps(_mm512_insertf64x4::<1>(
+            _mm512_castps_pd(a),
+            _mm256_castps_pd(b),
+        ))
+    };
+    quad.d = [eight(k[0].d, k[1].d), eight(k[2].d, k[3].d)];
+    if F == Q2 {
+        quad.dmin = [eight(k[0].dmin, k[1].dmin), eight(k[2].dmin, k[3].dmin)];
+    }
+    if F == Q2 || F == Q6 {
+        let two = |a: __m256i, b: __m256i| _mm512_inserti64x4::<1>(_mm512_castsi256_si512(a), b);
+        quad.extra2 = [two(k[0].extra, k[1].extra), two(k[2].extra, k[3].extra)];
+    }
+    if F == Q4 || F == Q5 {
+        let [a, b, c, d] = [0, 1, 2, 3].map(|r| k[r].dmin);
+        quad.dmin4 = _mm512_set_ps(d, d, d, d, c, c, c, c, b, b, b, b, a, a, a, a);
+        let lane = |r: usize| _mm256_castsi256_si128(k[r].extra);
+        let lo = _mm256_set_m128i(lane(1), lane(0));
+        let hi = _mm256_set_m128i(lane(3), lane(2));
+        quad.mins4 = _mm512_inserti64x4::<1>(_mm512_castsi256_si512(lo), hi);
+    }
+}
+
+/// The integer lanes of `N` activation rows' super-blocks (`qs`) against the quad's four
+/// weight rows: per row, rows 0 and 1's eight lanes then rows 2 and 3's. Each weight load
+/// serves all `N` activation rows.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx2")]
+fn quad_sumi<const F: u8, const N: usize>(quad: &Quad, qs: [&[i8]; N]) -> [[__m512i; 2]; N] {
+    let zi = _mm512_setzero_si512();
+    let four = _mm512_set1_epi8(4);
+    let mut sumi = [[zi; 2]; N];
+    for c in 0..8 {
+        let y: [__m512i; N] = qs.map(|qs| _mm512_broadcast_i64x4(load_q8(qs, 32 * c)));
+        let y4: [__m512i; N] = if F == Q3 {
+            y.map(|y| _mm512_maddubs_epi16(four, y))
+        } else {
+            [zi; N]
+        };
+        for (h, (q, s)) in quad.q.iter().zip(&quad.s).enumerate() {
+            // SAFETY: entries 2c and 2c + 1 of `q` and `s` are 64 contiguous bytes; the
+            // loads are unaligned.
+            let (q, s) = unsafe {
+                (
+                    _mm512_loadu_si512(q[2 * c..].as_ptr().cast()),
+                    _mm512_loadu_si512(s[2 * c..].as_ptr().cast()),
+                )
+            };
+            for ((sumi, y), y4) in sumi.iter_mut().zip(&y).zip(&y4) {
+                let mut p16 = _mm512_maddubs_epi16(q, *y);
+                if F == Q3 {
+                    p16 = _mm512_sub_epi16(p16, *y4);
+                }
+                sumi[h] = _mm512_add_epi32(sumi[h], _mm512_madd_epi16(s, p16));
+            }
+        }
+    }
+    sumi
+}
+
+/// Four pairs' float step for super-block `i` of activation row `a`, as ggml's dot
+/// product takes it: `sumi` holds rows 0 and 1's lanes, then rows 2 and 3's.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx2,fma")]
+fn quad_float_step<const F: u8>(
+    quad: &Quad,
+    a: &Q8KRow,
+    i: usize,
+    mut sumi: [__m512i; 2],
+    p: &mut QuadAcc,
+) {
+    let ad = a.d[i];
+    let bsums = bsums(a, i);
+    if F == Q6 {
+        let b2 = _mm512_broadcast_i64x4(bsums);
+        for (s, e) in sumi.iter_mut().zip(&quad.extra2) {
+            let sub = _mm512_slli_epi32::<5>(_mm512_madd_epi16(b2, *e));
+            *s = _mm512_sub_epi32(*s, sub);
+        }
+    }
+    if F == Q2 {
+        let b2 = _mm512_broadcast_i64x4(bsums);
+        for h in 0..2 {
+            let dmin = _mm512_mul_ps(_mm512_set1_ps(-ad), quad.dmin[h]);
+            let prod = _mm512_cvtepi32_ps(_mm512_madd_epi16(quad.extra2[h], b2));
+            p.acc[h] = _mm512_fmadd_ps(dmin, prod, p.acc[h]);
+        }
+    }
+    for ((acc, sumi), d) in p.acc.iter_mut().zip(sumi).zip(quad.d) {
+        let d = _mm512_mul_ps(_mm512_set1_ps(ad), d);
+        *acc = _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(sumi), *acc);
+    }
+    if F == Q4 || F == Q5 {
+        let q8s = _mm_hadd_epi16(
+            _mm256_extracti128_si256::<0>(bsums),
+            _mm256_extracti128_si256::<1>(bsums),
+        );
+        let mut prod = _mm512_madd_epi16(quad.mins4, _mm512_broadcast_i32x4(q8s));
+        if F == Q5 {
+            // Each row's four lanes summed into its first (exact integers).
+            let swap = _mm512_shuffle_epi32::<0b01_00_11_10>(prod);
+            prod = _mm512_add_epi32(prod, swap);
+            let swap = _mm512_shuffle_epi32::<0b10_11_00_01>(prod);
+            prod = _mm512_add_epi32(prod, swap);
+        }
+        let dmin = _mm512_mul_ps(_mm512_set1_ps(-ad), quad.dmin4);
+        p.m = _mm512_fmadd_ps(dmin, _mm512_cvtepi32_ps(prod), p.m);
+    }
+}
+
+/// The AVX-512 tile: two weight rows' chunk against the activation chunk (broadcast to both
+/// halves) per integer instruction, so each half accumulates one pair's eight lanes, and
+/// the four pairs' float steps two (or four) at a time.
+#[target_feature(enable = "avx512f,avx512bw,avx2,fma")]
+fn tile_avx512_body<const F: u8>(rows: [&[u8]; 4], acts: &[Q8KRow], out: &mut [[f32; 4]]) {
+    let bytes = format(F).block_bytes();
+    let nb = rows[0].len() / bytes;
+    let zf = _mm512_setzero_ps();
+    let zi = _mm512_setzero_si512();
+    let z256 = _mm256_setzero_si256();
+    let mut quad = Quad {
+        q: [[z256; 16]; 2],
+        s: [[z256; 16]; 2],
+        k: [no_scalars(); 4],
+        d: [zf; 2],
+        dmin: [zf; 2],
+        dmin4: zf,
+        mins4: zi,
+        extra2: [zi; 2],
+    };
+    for (group, out) in acts.chunks(GROUP).zip(out.chunks_mut(GROUP)) {
+        let mut accs = [QuadAcc {
+            acc: [zf; 2],
+            m: zf,
+        }; GROUP];
+        for i in 0..nb {
+            for (r, w) in rows.iter().enumerate() {
+                let b = &w[i * bytes..(i + 1) * bytes];
+                let (q, s) = (&mut quad.q[r / 2], &mut quad.s[r / 2]);
+                unpack::<F>(b, q, s, (2, r % 2), &mut quad.k[r]);
+            }
+            quad_constants::<F>(&mut quad);
+            let block = |at: usize| &group[at].qs[i * QK_K..(i + 1) * QK_K];
+            let mut at = 0;
+            while at + ACT_BLOCK <= group.len() {
+                let sumi = quad_sumi::<F, ACT_BLOCK>(&quad, std::array::from_fn(|k| block(at + k)));
+                for (k, sumi) in sumi.into_iter().enumerate() {
+                    quad_float_step::<F>(&quad, &group[at + k], i, sumi, &mut accs[at + k]);
+                }
+                at += ACT_BLOCK;
+            }
+            for at in at..group.len() {
+                let [sumi] = quad_sumi::<F, 1>(&quad, [block(at)]);
+                quad_float_step::<F>(&quad, &group[at], i, sumi, &mut accs[at]);
+            }
+        }
+        for (o, p) in out.iter_mut().zip(&accs) {
+            let mut acc = [0f32; 32];
+            let mut m = [0f32; 16];
+            // SAFETY: `acc` holds two vectors of sixteen f32 and `m` one; unaligned stores.
+            unsafe {
+                _mm512_storeu_ps(acc.as_mut_ptr(), p.acc[0]);
+                _mm512_storeu_ps(acc[16..].as_mut_ptr(), p.acc[1]);
+                _mm512_storeu_ps(m.as_mut_ptr(), p.m);
+            }
+            for (r, o) in o.iter_mut().enumerate() {
+                let lanes: [f32; 8] = std::array::from_fn(|l| acc[8 * r + l]);
+                let m = &m[4 * r..4 * r + 4];
+                *o = hsum8(lanes)
+                    + match F {
+                        Q4 => (m[0] + m[2]) + (m[1] + m[3]),
+                        Q5 => m[0],
+                        _ => 0.0,
+                    };
+            }
+        }
+    }
+}

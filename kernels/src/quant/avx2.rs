@@ -450,6 +450,42 @@ fn fold_float(a: [__m256; 8]) -> f32 {
     ))
 }
 
+/// Weight row `row` (`out.len()` values of `format`) widened exactly into `out`, eight
+/// values per instruction.
+pub(super) fn float_widen(cpu: Avx2, format: FloatFormat, row: &[u8], out: &mut [f32]) {
+    let _ = cpu;
+    assert!(
+        row.len() >= out.len() * format.bytes(),
+        "weight row shorter than its output"
+    );
+    // SAFETY: `cpu` proves AVX2 and F16C; the row holds `out.len()` values.
+    unsafe { float_widen_avx2(format, row, out) }
+}
+
+/// # Safety
+/// `row` must hold `out.len()` values of `format`.
+#[target_feature(enable = "avx2,f16c")]
+unsafe fn float_widen_avx2(format: FloatFormat, row: &[u8], out: &mut [f32]) {
+    let whole = out.len() / 8 * 8;
+    let (w, o) = (row.as_ptr(), out.as_mut_ptr());
+    for i in (0..whole).step_by(8) {
+        // SAFETY: values `i..i + 8` are in both `row` and `out`; unaligned loads and stores.
+        unsafe {
+            let v = match format {
+                FloatFormat::F32 => _mm256_loadu_ps(w.add(4 * i).cast()),
+                FloatFormat::F16 => _mm256_cvtph_ps(_mm_loadu_si128(w.add(2 * i).cast())),
+                FloatFormat::BF16 => _mm256_castsi256_ps(_mm256_slli_epi32::<16>(
+                    _mm256_cvtepu16_epi32(_mm_loadu_si128(w.add(2 * i).cast())),
+                )),
+            };
+            _mm256_storeu_ps(o.add(i), v);
+        }
+    }
+    for (i, v) in out.iter_mut().enumerate().skip(whole) {
+        *v = format.at(row, i);
+    }
+}
+
 /// Weight row `w` (in `format`, `x.len()` values) against activation row `x`, in the
 /// arithmetic of [`float`].
 pub(super) fn float_dot(cpu: Avx2, format: FloatFormat, w: &[u8], x: &[f32]) -> f32 {

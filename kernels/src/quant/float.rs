@@ -21,6 +21,9 @@ use crate::cpu;
 /// Partial sums per output: the values one step of the column loop covers.
 pub(crate) const LANES: usize = 64;
 
+/// Most activation rows one [`FloatKernel::tile`] call takes: four register tiles of four.
+pub(crate) const TILE_ROWS: usize = 16;
+
 /// A floating-point weight encoding.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum FloatFormat {
@@ -201,13 +204,37 @@ impl FloatKernel {
         }
     }
 
-    /// Four widened weight rows against four activation rows: `out[a][r]`, each equal to
-    /// [`FloatKernel::quad`] of row `a`.
-    pub(crate) fn tile(self, format: FloatFormat, w: [&[f32]; 4], x: [&[f32]; 4]) -> [[f32; 4]; 4] {
+    /// Four widened weight rows against activation rows `x` (a multiple of four, at most
+    /// [`TILE_ROWS`]): `out[a][r]`, each equal to [`FloatKernel::quad`] of row `a`.
+    /// `ahead`'s cache lines are fetched while it computes.
+    pub(crate) fn tile(
+        self,
+        format: FloatFormat,
+        w: [&[f32]; 4],
+        x: &[&[f32]],
+        ahead: &[u8],
+        out: &mut [[f32; 4]],
+    ) {
         match self {
             #[cfg(target_arch = "x86_64")]
-            FloatKernel::Avx512(cpu) => super::avx512::float::tile(cpu, format, w, x),
-            _ => x.map(|x| self.quad(format, w, x)),
+            FloatKernel::Avx512(cpu) => super::avx512::float::tile(cpu, format, w, x, ahead, out),
+            _ => {
+                super::prefetch(ahead);
+                for (o, x) in out.iter_mut().zip(x) {
+                    *o = self.quad(format, w, x);
+                }
+            }
+        }
+    }
+
+    /// Weight row `row` (in `format`) widened exactly to f32 into `out`.
+    pub(crate) fn widen(self, format: FloatFormat, row: &[u8], out: &mut [f32]) {
+        match self {
+            #[cfg(target_arch = "x86_64")]
+            FloatKernel::Avx512(cpu) => super::avx512::float::widen(cpu, format, row, out),
+            #[cfg(target_arch = "x86_64")]
+            FloatKernel::Avx2(cpu) => super::avx2::float_widen(cpu, format, row, out),
+            FloatKernel::Portable => format.widen(row, out),
         }
     }
 
@@ -223,6 +250,13 @@ impl FloatKernel {
     }
 }
 
+/// `len` f32 of `store` (grown as needed) starting on a 64-byte cache line.
+fn aligned(store: &mut Vec<f32>, len: usize) -> &mut [f32] {
+    store.resize(len + 16, 0.0);
+    let at = store.as_ptr().align_offset(64).min(16);
+    &mut store[at..at + len]
+}
+
 impl QuantMatrix {
     /// [`QuantMatrix::matmul`] for floating-point weights: the weight rows split among the
     /// threads for decode steps and short prefills (each row read once for every
@@ -232,6 +266,16 @@ impl QuantMatrix {
     pub(super) fn matmul_float(&self, format: FloatFormat, x: &[f32], m: usize) -> Buf {
         let kernel = FloatKernel::new(cpu::detect());
         let x = format.activations(x);
+        // Several rows are read many times over by the tiles: copied to start on a cache
+        // line, so (with a row length a multiple of 16) no vector load straddles two.
+        let mut store = Vec::new();
+        let x: &[f32] = if m > 1 {
+            let dst = aligned(&mut store, x.len());
+            dst.copy_from_slice(&x);
+            dst
+        } else {
+            &x
+        };
         let k = self.cols;
         let mut out = Buf::take(m * self.rows);
         if m <= WEIGHT_PARALLEL_MAX_ROWS {
@@ -243,7 +287,7 @@ impl QuantMatrix {
                 .for_each_init(Vec::new, |scratch, (task, dst)| {
                     let first = task * per_task;
                     let n = dst[0].len();
-                    self.float_rows(kernel, format, first..first + n, &x, scratch, |i, r, v| {
+                    self.float_rows(kernel, format, first..first + n, x, scratch, |i, r, v| {
                         dst[i][r - first] = v
                     });
                 });
@@ -288,17 +332,29 @@ impl QuantMatrix {
             return;
         }
         let quads = range.start + range.len() / 4 * 4;
-        scratch.resize(4 * k, 0.0);
-        for r in self.quads(range.start, quads) {
+        let scratch = aligned(scratch, 4 * k);
+        let mut tiles = [[0f32; 4]; TILE_ROWS];
+        for r in (range.start..quads).step_by(4) {
             for (j, w) in scratch.chunks_exact_mut(k).enumerate() {
-                format.widen(self.weight_row(r + j), w);
+                kernel.widen(format, self.weight_row(r + j), w);
             }
             let w: [&[f32]; 4] = std::array::from_fn(|j| &scratch[j * k..(j + 1) * k]);
             let fours = m / 4 * 4;
-            for i in (0..fours).step_by(4) {
-                let x: [&[f32]; 4] = std::array::from_fn(|a| &acts[(i + a) * k..(i + a + 1) * k]);
-                for (a, v) in kernel.tile(format, w, x).into_iter().enumerate() {
-                    for (j, v) in v.into_iter().enumerate() {
+            // The next group's rows, fetched a share per tile while these compute (the
+            // hardware prefetcher alone leaves the widening waiting on memory).
+            let next = self.rows_bytes(r + 4, (r + 8).min(quads));
+            let calls = fours.div_ceil(TILE_ROWS).max(1);
+            let mut ahead = next.chunks(next.len().div_ceil(calls).max(1));
+            for i in (0..fours).step_by(TILE_ROWS) {
+                let n = TILE_ROWS.min(fours - i);
+                let mut x: [&[f32]; TILE_ROWS] = [&[]; TILE_ROWS];
+                for (x, row) in x.iter_mut().zip(acts[i * k..(i + n) * k].chunks_exact(k)) {
+                    *x = row;
+                }
+                let ahead = ahead.next().unwrap_or_default();
+                kernel.tile(format, w, &x[..n], ahead, &mut tiles[..n]);
+                for (a, v) in tiles[..n].iter().enumerate() {
+                    for (j, &v) in v.iter().enumerate() {
                         put(i + a, r + j, v);
                     }
                 }

@@ -484,6 +484,12 @@ impl QuantMatrix {
         })
     }
 
+    /// The bytes of weight rows `from..to` (none if empty).
+    fn rows_bytes(&self, from: usize, to: usize) -> &[u8] {
+        let n = self.row_bytes();
+        &self.data[from.min(to) * n..to * n]
+    }
+
     fn weight_row(&self, r: usize) -> &[u8] {
         let n = self.row_bytes();
         &self.data[r * n..(r + 1) * n]

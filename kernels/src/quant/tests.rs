@@ -608,6 +608,14 @@ fn float_kernels_match_the_portable_code_bit_for_bit() {
                         want[r],
                         "{format:?} {n} values: widened rows give the same sums"
                     );
+                    let mut widened = vec![f32::NAN; n];
+                    kernel.widen(format, w, &mut widened);
+                    let bits = |v: &[f32]| v.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+                    assert_eq!(
+                        bits(&widened),
+                        bits(values),
+                        "{format:?} {n}, {tier} widening"
+                    );
                 }
                 let quad = [0, 1, 2, 3].map(|r| &rows[r].1[..]);
                 let got = kernel.quad(format, quad, &x).map(f32::to_bits);
@@ -616,8 +624,19 @@ fn float_kernels_match_the_portable_code_bit_for_bit() {
                 let others: Vec<Vec<f32>> = (0..4)
                     .map(|s| x.iter().map(|v| v * (1.0 + s as f32 * 0.25)).collect())
                     .collect();
-                let acts = [&others[0][..], &others[1], &x, &others[3]];
-                let tile = kernel.tile(format, quad, acts);
+                // Two register tiles' worth: the rows again in another order.
+                let acts = [
+                    &others[0][..],
+                    &others[1],
+                    &x,
+                    &others[3],
+                    &others[3],
+                    &x,
+                    &others[1],
+                    &others[0],
+                ];
+                let mut tile = [[0f32; 4]; 8];
+                kernel.tile(format, quad, &acts, &[], &mut tile);
                 for (a, row) in tile.iter().enumerate() {
                     let alone = kernel.quad(format, quad, acts[a]).map(f32::to_bits);
                     assert_eq!(
@@ -626,11 +645,10 @@ fn float_kernels_match_the_portable_code_bit_for_bit() {
                         "{format:?} {n}, {tier} tile row {a}"
                     );
                 }
-                assert_eq!(
-                    tile[2].map(f32::to_bits).to_vec(),
-                    want,
-                    "{format:?} {n}, {tier} tile"
-                );
+                for a in [2, 5] {
+                    let got = tile[a].map(f32::to_bits).to_vec();
+                    assert_eq!(got, want, "{format:?} {n}, {tier} tile row {a}");
+                }
             }
         }
     }

@@ -4,7 +4,7 @@
 
 use std::arch::x86_64::*;
 
-use super::super::float::{finish, fold16, FloatFormat, LANES};
+use super::super::float::{finish, fold16, FloatFormat, LANES, TILE_ROWS};
 use crate::cpu::Avx512;
 
 /// Sixteen weights from `w` at value `i`, widened exactly.
@@ -23,6 +23,33 @@ unsafe fn load(format: FloatFormat, w: *const u8, i: usize) -> __m512 {
                 _mm512_cvtepu16_epi32(_mm256_loadu_si256(w.add(2 * i).cast())),
             )),
         }
+    }
+}
+
+/// Weight row `row` (`out.len()` values of `format`) widened exactly into `out`, sixteen
+/// values per instruction.
+pub(crate) fn widen(cpu: Avx512, format: FloatFormat, row: &[u8], out: &mut [f32]) {
+    let _ = cpu;
+    assert!(
+        row.len() >= out.len() * format.bytes(),
+        "weight row shorter than its output"
+    );
+    // SAFETY: `cpu` proves AVX-512 F; the row holds `out.len()` values.
+    unsafe { widen_avx512(format, row, out) }
+}
+
+/// # Safety
+/// `row` must hold `out.len()` values of `format`.
+#[target_feature(enable = "avx512f")]
+unsafe fn widen_avx512(format: FloatFormat, row: &[u8], out: &mut [f32]) {
+    let whole = out.len() / 16 * 16;
+    let (w, o) = (row.as_ptr(), out.as_mut_ptr());
+    for i in (0..whole).step_by(16) {
+        // SAFETY: values `i..i + 16` are in both `row` and `out`.
+        unsafe { _mm512_storeu_ps(o.add(i), load(format, w, i)) };
+    }
+    for (i, v) in out.iter_mut().enumerate().skip(whole) {
+        *v = format.at(row, i);
     }
 }
 
@@ -124,69 +151,137 @@ unsafe fn quad_avx512(format: FloatFormat, w: [&[f32]; 4], x: &[f32]) -> [f32; 4
     out
 }
 
-/// Four widened weight rows against four activation rows: `out[a][r]`. The column loop runs
-/// once per 16-lane quarter of each 64-value step — the quarters' partial sums never meet
-/// before the fold, so each lane's chain of multiply-adds is the one [`dot`] runs — with
-/// sixteen accumulators, each weight and activation vector loaded once for four products.
+/// Columns each of a [`tile`]'s passes covers before the next activation rows' turn (a
+/// multiple of 64): the four weight rows' block (8 KiB) stays in the L1 cache while all
+/// [`TILE_ROWS`] activation rows meet it, where whole widened rows of a 2048- to 8192-wide
+/// layer (32 to 128 KiB) would be fetched from L2 again for every four activation rows.
+const TILE_BLOCK: usize = 512;
+
+/// Four widened weight rows against activation rows `x` (a multiple of four, at most
+/// [`TILE_ROWS`]): `out[a][r]`. The column loop runs once per 16-lane quarter of each
+/// 64-value step, for four activation rows at a time, a block of columns at a time — the
+/// quarters' partial sums never meet before the fold, so each lane's chain of multiply-adds
+/// is the one [`dot`] runs — with sixteen accumulators, each weight and activation vector
+/// loaded once for four products.
+///
+/// The cache lines of `ahead` (the next weight rows, say) are asked for a few at a time
+/// through the passes, so they arrive while this tile computes rather than in one burst
+/// that fills the CPU's miss buffers.
 pub(crate) fn tile(
     cpu: Avx512,
     format: FloatFormat,
     w: [&[f32]; 4],
-    x: [&[f32]; 4],
-) -> [[f32; 4]; 4] {
+    x: &[&[f32]],
+    ahead: &[u8],
+    out: &mut [[f32; 4]],
+) {
     let _ = cpu;
-    let k = x[0].len();
+    let k = x.first().map_or(0, |x| x.len());
+    assert!(
+        x.len().is_multiple_of(4) && x.len() <= TILE_ROWS && out.len() >= x.len(),
+        "a tile takes four to {TILE_ROWS} activation rows, four at a time"
+    );
     assert!(
         w.iter().all(|w| w.len() >= k) && x.iter().all(|x| x.len() == k),
         "rows shorter than the product's input"
     );
     // SAFETY: `cpu` proves AVX-512 F; every row holds `k` values.
-    unsafe { tile_avx512(format, w, x) }
+    unsafe { tile_avx512(format, w, x, ahead, out) }
 }
 
 /// # Safety
-/// Every row of `w` and `x` must hold `x[0].len()` values.
+/// Every row of `w` and `x` must hold `x[0].len()` values; `x` holds a multiple of four
+/// rows, at most [`TILE_ROWS`].
 #[target_feature(enable = "avx512f")]
-unsafe fn tile_avx512(format: FloatFormat, w: [&[f32]; 4], x: [&[f32]; 4]) -> [[f32; 4]; 4] {
+unsafe fn tile_avx512(
+    format: FloatFormat,
+    w: [&[f32]; 4],
+    x: &[&[f32]],
+    ahead: &[u8],
+    out: &mut [[f32; 4]],
+) {
     let k = x[0].len();
     let whole = k / LANES * LANES;
     let wp = [w[0].as_ptr(), w[1].as_ptr(), w[2].as_ptr(), w[3].as_ptr()];
-    let xp = [x[0].as_ptr(), x[1].as_ptr(), x[2].as_ptr(), x[3].as_ptr()];
-    // `part[q][a][r]`: quarter `q`'s partial sums of activation row `a` by weight row `r`.
-    let mut part = [[[_mm512_setzero_ps(); 4]; 4]; 4];
-    for (q, part) in part.iter_mut().enumerate() {
-        let mut acc = [[_mm512_setzero_ps(); 4]; 4];
-        let mut i = 16 * q;
-        while i < whole {
-            // SAFETY: `i + 16 <= whole <= k` values of every row.
-            unsafe {
-                let wv = [
-                    _mm512_loadu_ps(wp[0].add(i)),
-                    _mm512_loadu_ps(wp[1].add(i)),
-                    _mm512_loadu_ps(wp[2].add(i)),
-                    _mm512_loadu_ps(wp[3].add(i)),
-                ];
-                for a in 0..4 {
-                    let xv = _mm512_loadu_ps(xp[a].add(i));
-                    for r in 0..4 {
-                        acc[a][r] = _mm512_fmadd_ps(wv[r], xv, acc[a][r]);
-                    }
+    let tiles = x.len() / 4;
+    // `part[t][q][a][r]`: quarter `q`'s partial sums of activation row `4t + a` by weight row
+    // `r`, carried from one block of columns to the next.
+    let mut part = [[[[_mm512_setzero_ps(); 4]; 4]; 4]; TILE_ROWS / 4];
+    let passes = 4 * tiles * whole.div_ceil(TILE_BLOCK).max(1);
+    let mut ahead = ahead.chunks(64 * ahead.len().div_ceil(64).div_ceil(passes).max(1));
+    let mut from = 0;
+    while from < whole {
+        let to = (from + TILE_BLOCK).min(whole);
+        for (t, part) in part.iter_mut().take(tiles).enumerate() {
+            let xp: [*const f32; 4] = std::array::from_fn(|a| x[4 * t + a].as_ptr());
+            for (q, part) in part.iter_mut().enumerate() {
+                for line in ahead.next().unwrap_or_default().chunks(64) {
+                    _mm_prefetch::<_MM_HINT_T0>(line.as_ptr().cast());
                 }
+                let mut acc = *part;
+                let mut i = from + 16 * q;
+                while i < to {
+                    // SAFETY: `i + 16 <= to <= whole <= k` values of every row.
+                    unsafe {
+                        let wv = [
+                            _mm512_loadu_ps(wp[0].add(i)),
+                            _mm512_loadu_ps(wp[1].add(i)),
+                            _mm512_loadu_ps(wp[2].add(i)),
+                            _mm512_loadu_ps(wp[3].add(i)),
+                        ];
+                        for a in 0..4 {
+                            let xv = _mm512_loadu_ps(xp[a].add(i));
+                            for r in 0..4 {
+                                acc[a][r] = _mm512_fmadd_ps(wv[r], xv, acc[a][r]);
+                            }
+                        }
+                    }
+                    i += LANES;
+                }
+                *part = acc;
             }
-            i += LANES;
         }
-        *part = acc;
+        from = to;
     }
-    let mut out = [[0f32; 4]; 4];
-    for a in 0..4 {
-        for r in 0..4 {
-            let sums = [part[0][a][r], part[1][a][r], part[2][a][r], part[3][a][r]];
-            let tail = w[r][whole..k]
-                .iter()
-                .copied()
-                .zip(x[a][whole..].iter().copied());
-            out[a][r] = finish(format, fold(sums), tail);
+    for (t, part) in part.iter().take(tiles).enumerate() {
+        for a in 0..4 {
+            let xa = x[4 * t + a];
+            let folded = fold4(std::array::from_fn(|r| {
+                [part[0][a][r], part[1][a][r], part[2][a][r], part[3][a][r]]
+            }));
+            for (r, folded) in folded.into_iter().enumerate() {
+                let tail = w[r][whole..k]
+                    .iter()
+                    .copied()
+                    .zip(xa[whole..].iter().copied());
+                out[4 * t + a][r] = finish(format, folded, tail);
+            }
         }
     }
-    out
+}
+
+/// [`fold`] of four outputs' accumulators at once, lane for lane the same additions: the
+/// halves of two outputs' sums side by side in one register, then of four.
+#[inline]
+#[target_feature(enable = "avx512f")]
+fn fold4(acc: [[__m512; 4]; 4]) -> [f32; 4] {
+    let x = acc.map(|a| _mm512_add_ps(_mm512_add_ps(a[0], a[2]), _mm512_add_ps(a[1], a[3])));
+    // Lanes 0..8 plus lanes 8..16 of outputs (0, 1) and (2, 3).
+    let halves = |p: __m512, q: __m512| {
+        let lo = _mm512_shuffle_f32x4::<0b01_00_01_00>(p, q);
+        let hi = _mm512_shuffle_f32x4::<0b11_10_11_10>(p, q);
+        _mm512_add_ps(lo, hi)
+    };
+    let (s01, s23) = (halves(x[0], x[1]), halves(x[2], x[3]));
+    // Lanes 0..4 plus lanes 4..8 of each output: one 128-bit lane per output.
+    let c = _mm512_shuffle_f32x4::<0b10_00_10_00>(s01, s23);
+    let d = _mm512_shuffle_f32x4::<0b11_01_11_01>(s01, s23);
+    let u = _mm512_add_ps(c, d);
+    // (u0 + u2) + (u1 + u3) in each 128-bit lane.
+    let v = _mm512_add_ps(u, _mm512_shuffle_ps::<0b01_00_11_10>(u, u));
+    let v = _mm512_add_ps(v, _mm512_shuffle_ps::<0b10_11_00_01>(v, v));
+    let mut lanes = [0f32; 16];
+    // SAFETY: `lanes` holds exactly sixteen f32; storeu has no alignment requirement.
+    unsafe { _mm512_storeu_ps(lanes.as_mut_ptr(), v) };
+    [lanes[0], lanes[4], lanes[8], lanes[12]]
 }

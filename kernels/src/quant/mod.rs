@@ -203,7 +203,7 @@ const TASKS_PER_THREAD: usize = 4;
 const TASK_OUTPUT_BYTES: usize = 384 << 10;
 
 /// Fewest and most activation rows of such a task.
-const ACT_ROWS_PER_TASK: (usize, usize) = (16, 128);
+const ACT_ROWS_PER_TASK: (usize, usize) = (64, 128);
 
 /// From this many activation rows, the AVX-512 kernel (`avx512::wide`) runs; below, the weight
 /// blocks are unpacked in registers for each row instead of into a buffer shared by all.

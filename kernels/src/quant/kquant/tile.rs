@@ -69,7 +69,7 @@ const fn format(f: u8) -> KFormat {
 
 /// Activation rows whose accumulators a tile holds at once (on the stack); a weight
 /// super-block is unpacked once per group.
-const GROUP: usize = 32;
+const GROUP: usize = 64;
 
 /// Activation rows the AVX-512 tile meets each weight load with: a quad's unpacked values
 /// and scales (32 registers' worth) do not fit in registers, so each load serves this many.

@@ -71,10 +71,6 @@ const fn format(f: u8) -> KFormat {
 /// super-block is unpacked once per group.
 const GROUP: usize = 64;
 
-/// Activation rows the AVX-512 tile meets each weight load with: a quad's unpacked values
-/// and scales (32 registers' worth) do not fit in registers, so each load serves this many.
-const ACT_BLOCK: usize = 4;
-
 fn run_avx2<const F: u8>(rows: [&[u8]; 4], acts: &[Q8KRow], out: &mut [[f32; 4]]) {
     // SAFETY: handed out only by `tile` and `tile_avx2`, which saw the AVX2 token.
     unsafe { tile_avx2_body::<F>(rows, acts, out) }
@@ -439,41 +435,40 @@ fn quad_constants<const F: u8>(quad: &mut Quad) {
     }
 }
 
-/// The integer lanes of `N` activation rows' super-blocks (`qs`) against the quad's four
-/// weight rows: per row, rows 0 and 1's eight lanes then rows 2 and 3's. Each weight load
-/// serves all `N` activation rows.
+/// The integer lanes of rows `2h` and `2h + 1` of the quad against super-block `i` of each
+/// activation row, into `sumis[a][h]`. The two rows' values and scales (sixteen registers)
+/// are loaded once and stay in registers for every activation row, which then costs one
+/// broadcast load per two multiplies: with an operand from memory each, the multiplies
+/// would run at the rate of the loads.
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx2")]
-fn quad_sumi<const F: u8, const N: usize>(quad: &Quad, qs: [&[i8]; N]) -> [[__m512i; 2]; N] {
-    let zi = _mm512_setzero_si512();
+fn quad_sumi<const F: u8>(
+    quad: &Quad,
+    h: usize,
+    acts: &[Q8KRow],
+    i: usize,
+    sumis: &mut [[__m512i; 2]],
+) {
     let four = _mm512_set1_epi8(4);
-    let mut sumi = [[zi; 2]; N];
-    for c in 0..8 {
-        let y: [__m512i; N] = qs.map(|qs| _mm512_broadcast_i64x4(load_q8(qs, 32 * c)));
-        let y4: [__m512i; N] = if F == Q3 {
-            y.map(|y| _mm512_maddubs_epi16(four, y))
-        } else {
-            [zi; N]
-        };
-        for (h, (q, s)) in quad.q.iter().zip(&quad.s).enumerate() {
-            // SAFETY: entries 2c and 2c + 1 of `q` and `s` are 64 contiguous bytes; the
-            // loads are unaligned.
-            let (q, s) = unsafe {
-                (
-                    _mm512_loadu_si512(q[2 * c..].as_ptr().cast()),
-                    _mm512_loadu_si512(s[2 * c..].as_ptr().cast()),
-                )
-            };
-            for ((sumi, y), y4) in sumi.iter_mut().zip(&y).zip(&y4) {
-                let mut p16 = _mm512_maddubs_epi16(q, *y);
-                if F == Q3 {
-                    p16 = _mm512_sub_epi16(p16, *y4);
-                }
-                sumi[h] = _mm512_add_epi32(sumi[h], _mm512_madd_epi16(s, p16));
+    // SAFETY: entries 2c and 2c + 1 of `q[h]` and `s[h]` are 64 contiguous bytes; the loads
+    // are unaligned.
+    let load =
+        |v: &[__m256i; 16], c: usize| unsafe { _mm512_loadu_si512(v[2 * c..].as_ptr().cast()) };
+    let q: [__m512i; 8] = std::array::from_fn(|c| load(&quad.q[h], c));
+    let s: [__m512i; 8] = std::array::from_fn(|c| load(&quad.s[h], c));
+    for (a, sumi) in acts.iter().zip(sumis.iter_mut()) {
+        let qs = &a.qs[i * QK_K..(i + 1) * QK_K];
+        let mut acc = _mm512_setzero_si512();
+        for c in 0..8 {
+            let y = _mm512_broadcast_i64x4(load_q8(qs, 32 * c));
+            let mut p16 = _mm512_maddubs_epi16(q[c], y);
+            if F == Q3 {
+                p16 = _mm512_sub_epi16(p16, _mm512_maddubs_epi16(four, y));
             }
+            acc = _mm512_add_epi32(acc, _mm512_madd_epi16(s[c], p16));
         }
+        sumi[h] = acc;
     }
-    sumi
 }
 
 /// Four pairs' float step for super-block `i` of activation row `a`, as ggml's dot
@@ -546,6 +541,7 @@ fn tile_avx512_body<const F: u8>(rows: [&[u8]; 4], acts: &[Q8KRow], out: &mut [[
         mins4: zi,
         extra2: [zi; 2],
     };
+    let mut sumis = [[zi; 2]; GROUP];
     for (group, out) in acts.chunks(GROUP).zip(out.chunks_mut(GROUP)) {
         let mut accs = [QuadAcc {
             acc: [zf; 2],
@@ -558,18 +554,11 @@ fn tile_avx512_body<const F: u8>(rows: [&[u8]; 4], acts: &[Q8KRow], out: &mut [[
                 unpack::<F>(b, q, s, (2, r % 2), &mut quad.k[r]);
             }
             quad_constants::<F>(&mut quad);
-            let block = |at: usize| &group[at].qs[i * QK_K..(i + 1) * QK_K];
-            let mut at = 0;
-            while at + ACT_BLOCK <= group.len() {
-                let sumi = quad_sumi::<F, ACT_BLOCK>(&quad, std::array::from_fn(|k| block(at + k)));
-                for (k, sumi) in sumi.into_iter().enumerate() {
-                    quad_float_step::<F>(&quad, &group[at + k], i, sumi, &mut accs[at + k]);
-                }
-                at += ACT_BLOCK;
+            for h in 0..2 {
+                quad_sumi::<F>(&quad, h, group, i, &mut sumis);
             }
-            for at in at..group.len() {
-                let [sumi] = quad_sumi::<F, 1>(&quad, [block(at)]);
-                quad_float_step::<F>(&quad, &group[at], i, sumi, &mut accs[at]);
+            for ((a, p), sumi) in group.iter().zip(accs.iter_mut()).zip(&sumis) {
+                quad_float_step::<F>(&quad, a, i, *sumi, p);
             }
         }
         for (o, p) in out.iter_mut().zip(&accs) {

@@ -450,6 +450,108 @@ fn fold_float(a: [__m256; 8]) -> f32 {
     ))
 }
 
+/// Columns each of [`float_tile`]'s passes covers before the next activation rows' turn
+/// (a multiple of 64), as in the AVX-512 tile: the four weight rows' block stays in L1.
+const FLOAT_TILE_BLOCK: usize = 512;
+
+/// Four widened weight rows against activation rows `x` (an even number, at most
+/// [`float::TILE_ROWS`]): `out[a][r]`, each [`float_dot_f32`]'s result. Two activation
+/// rows meet the four weight rows at a time in eight accumulators, one eighth of each
+/// 64-value step per pass (the eighths' partial sums never meet before the fold, so each
+/// lane's chain of multiply-adds is the single row's), six loads per eight multiply-adds
+/// where one row at a time takes two per one.
+pub(super) fn float_tile(
+    cpu: Avx2,
+    format: FloatFormat,
+    w: [&[f32]; 4],
+    x: &[&[f32]],
+    ahead: &[u8],
+    out: &mut [[f32; 4]],
+) {
+    let _ = cpu;
+    let k = x.first().map_or(0, |x| x.len());
+    assert!(
+        x.len().is_multiple_of(2) && x.len() <= float::TILE_ROWS && out.len() >= x.len(),
+        "a tile takes activation rows in pairs, at most {}",
+        float::TILE_ROWS
+    );
+    assert!(
+        w.iter().all(|w| w.len() >= k) && x.iter().all(|x| x.len() == k),
+        "rows shorter than the product's input"
+    );
+    // SAFETY: `cpu` proves AVX2 and FMA; every row holds `k` values.
+    unsafe { float_tile_avx2(format, w, x, ahead, out) }
+}
+
+/// # Safety
+/// Every row of `w` and `x` must hold `x[0].len()` values; `x` holds an even number of
+/// rows, at most [`float::TILE_ROWS`].
+#[target_feature(enable = "avx2,fma")]
+unsafe fn float_tile_avx2(
+    format: FloatFormat,
+    w: [&[f32]; 4],
+    x: &[&[f32]],
+    ahead: &[u8],
+    out: &mut [[f32; 4]],
+) {
+    let k = x[0].len();
+    let whole = k / float::LANES * float::LANES;
+    let wp = [w[0].as_ptr(), w[1].as_ptr(), w[2].as_ptr(), w[3].as_ptr()];
+    let pairs = x.len() / 2;
+    // `part[p][e][a][r]`: eighth `e`'s partial sums of activation row `2p + a` by weight
+    // row `r`, carried from one block of columns to the next.
+    let mut part = [[[[_mm256_setzero_ps(); 4]; 2]; 8]; float::TILE_ROWS / 2];
+    let passes = 8 * pairs * whole.div_ceil(FLOAT_TILE_BLOCK).max(1);
+    let mut ahead = ahead.chunks(64 * ahead.len().div_ceil(64).div_ceil(passes).max(1));
+    let mut from = 0;
+    while from < whole {
+        let to = (from + FLOAT_TILE_BLOCK).min(whole);
+        for (p, part) in part.iter_mut().take(pairs).enumerate() {
+            let xp = [x[2 * p].as_ptr(), x[2 * p + 1].as_ptr()];
+            for (e, part) in part.iter_mut().enumerate() {
+                for line in ahead.next().unwrap_or_default().chunks(64) {
+                    super::sse2::prefetch_line(line);
+                }
+                let mut acc = *part;
+                let mut i = from + 8 * e;
+                while i < to {
+                    // SAFETY: `i + 8 <= to <= whole <= k` values of every row.
+                    unsafe {
+                        let wv = [
+                            _mm256_loadu_ps(wp[0].add(i)),
+                            _mm256_loadu_ps(wp[1].add(i)),
+                            _mm256_loadu_ps(wp[2].add(i)),
+                            _mm256_loadu_ps(wp[3].add(i)),
+                        ];
+                        for (a, acc) in acc.iter_mut().enumerate() {
+                            let xv = _mm256_loadu_ps(xp[a].add(i));
+                            for (acc, wv) in acc.iter_mut().zip(wv) {
+                                *acc = _mm256_fmadd_ps(wv, xv, *acc);
+                            }
+                        }
+                    }
+                    i += float::LANES;
+                }
+                *part = acc;
+            }
+        }
+        from = to;
+    }
+    for (p, part) in part.iter().take(pairs).enumerate() {
+        for a in 0..2 {
+            let xa = x[2 * p + a];
+            for r in 0..4 {
+                let folded = fold_float(std::array::from_fn(|e| part[e][a][r]));
+                let tail = w[r][whole..k]
+                    .iter()
+                    .copied()
+                    .zip(xa[whole..].iter().copied());
+                out[2 * p + a][r] = float::finish(format, folded, tail);
+            }
+        }
+    }
+}
+
 /// Weight row `row` (`out.len()` values of `format`) widened exactly into `out`, eight
 /// values per instruction.
 pub(super) fn float_widen(cpu: Avx2, format: FloatFormat, row: &[u8], out: &mut [f32]) {

@@ -218,7 +218,9 @@ impl FloatKernel {
         match self {
             #[cfg(target_arch = "x86_64")]
             FloatKernel::Avx512(cpu) => super::avx512::float::tile(cpu, format, w, x, ahead, out),
-            _ => {
+            #[cfg(target_arch = "x86_64")]
+            FloatKernel::Avx2(cpu) => super::avx2::float_tile(cpu, format, w, x, ahead, out),
+            FloatKernel::Portable => {
                 super::prefetch(ahead);
                 for (o, x) in out.iter_mut().zip(x) {
                     *o = self.quad(format, w, x);

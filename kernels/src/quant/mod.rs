@@ -351,14 +351,14 @@ impl QuantMatrix {
                 m,
                 |r| quantize_row(r, false),
                 q5_dot(features, true),
-                None,
+                Some(q5::tile::<true> as PairTile<_>).filter(|_| m >= Q5_TILE_MIN_ROWS),
             ),
             WeightFormat::Q5_1 => self.matmul_pairs(
                 x,
                 m,
                 |r| quantize_row(r, true),
                 q5_dot(features, false),
-                None,
+                Some(q5::tile::<false> as PairTile<_>).filter(|_| m >= Q5_TILE_MIN_ROWS),
             ),
             WeightFormat::Float(f) => self.matmul_float(f, x, m),
             _ => {
@@ -662,6 +662,40 @@ pub struct Unpacked {
 }
 
 impl Unpacked {
+    /// Unpacks four Q5_0 (`signed`) or Q5_1 weight rows into this buffer, as [`Self::fill`]
+    /// the 4-bit formats: values minus 16 (Q5_0) or as they are with the minimum (Q5_1).
+    fn fill_q5(&mut self, signed: bool, rows: [&[u8]; 4]) {
+        let stride = if signed {
+            q5::Q5_0_BYTES
+        } else {
+            q5::Q5_1_BYTES
+        };
+        let nb = rows[0].len() / stride;
+        self.signed = signed;
+        self.q.resize(nb * 4, [0; BLOCK]);
+        self.d.resize(nb * 4, 0.0);
+        self.m.resize(nb * 4, 0.0);
+        let blocks = self
+            .q
+            .chunks_exact_mut(4)
+            .zip(self.d.chunks_exact_mut(4))
+            .zip(self.m.chunks_exact_mut(4));
+        for (i, ((q, d), m)) in blocks.enumerate() {
+            let at = i * stride;
+            for r in 0..4 {
+                let b = &rows[r][at..at + stride];
+                d[r] = f16_at(b, 0);
+                if signed {
+                    m[r] = 0.0;
+                    q[r] = q5::values(&b[6..22], q5::high_bits(b, 2), 16);
+                } else {
+                    m[r] = f16_at(b, 2);
+                    q[r] = q5::values(&b[8..24], q5::high_bits(b, 4), 0);
+                }
+            }
+        }
+    }
+
     /// Unpacks four weight rows into this buffer, reusing its memory.
     fn fill(&mut self, format: BlockFormat, rows: [&[u8]; 4]) {
         let stride = format.block_bytes();
@@ -775,6 +809,10 @@ type PairTile<A> = fn([&[u8]; 4], &[A], &mut [[f32; 4]]);
 /// Activation rows from which a K-quant product runs four weight rows at a time: a weight
 /// super-block is then unpacked once for all of them rather than once per pair.
 const KQUANT_TILE_MIN_ROWS: usize = 2;
+
+/// Activation rows from which a Q5_0 or Q5_1 product unpacks four weight rows once for all
+/// of them (the 4-bit formats' buffered tile) rather than once per pair.
+const Q5_TILE_MIN_ROWS: usize = 2;
 
 /// The K-quant tile for `format` on the best tier `features` has, if it has one.
 fn kquant_tile(features: cpu::Features, format: KFormat) -> Option<PairTile<kquant::Q8KRow>> {

@@ -913,3 +913,44 @@ fn k_quant_products_give_every_row_its_single_row_result_in_any_batch() {
         }
     }
 }
+
+#[test]
+fn q5_products_give_every_row_its_dot_product_in_any_batch() {
+    // 38 weight rows: quads and rows outside any quad; 3 blocks each.
+    let (rows, cols) = (38, 3 * BLOCK);
+    for (format, bytes, signed) in [
+        (WeightFormat::Q5_0, q5::Q5_0_BYTES, true),
+        (WeightFormat::Q5_1, q5::Q5_1_BYTES, false),
+    ] {
+        let mut w: Vec<u8> = (0..rows * 3 * bytes)
+            .map(|i| ((i * 131 + 17) % 251) as u8 ^ (i >> 6) as u8)
+            .collect();
+        for (b, block) in w.chunks_exact_mut(bytes).enumerate() {
+            let d = 0.003 + (b % 11) as f32 * 0.0009;
+            block[..2].copy_from_slice(&f16::from_f32(d).to_le_bytes());
+            if !signed {
+                let m = -0.02 + (b % 7) as f32 * 0.004;
+                block[2..4].copy_from_slice(&f16::from_f32(m).to_le_bytes());
+            }
+        }
+        let mat = QuantMatrix::from_gguf(format, rows, cols, &w).expect("sizes");
+        let dot = if signed { q5::dot_q5_0 } else { q5::dot_q5_1 };
+        for m in [2, 7, WEIGHT_PARALLEL_MAX_ROWS + 1, 70] {
+            let x: Vec<f32> = (0..m * cols)
+                .map(|i| ((i * 11) % 19) as f32 / 19.0 - 0.45)
+                .collect();
+            let out = mat.matmul(&x);
+            for i in 0..m {
+                let a = quantize_row(&x[i * cols..(i + 1) * cols], !signed);
+                let want: Vec<u32> = (0..rows)
+                    .map(|r| dot(&w[r * 3 * bytes..(r + 1) * 3 * bytes], &a).to_bits())
+                    .collect();
+                let got: Vec<u32> = out[i * rows..(i + 1) * rows]
+                    .iter()
+                    .map(|v| v.to_bits())
+                    .collect();
+                assert_eq!(got, want, "{format:?} batch {m}, row {i}");
+            }
+        }
+    }
+}

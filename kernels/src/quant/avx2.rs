@@ -450,10 +450,6 @@ fn fold_float(a: [__m256; 8]) -> f32 {
     ))
 }
 
-/// Columns each of [`float_tile`]'s passes covers before the next activation rows' turn
-/// (a multiple of 64), as in the AVX-512 tile: the four weight rows' block stays in L1.
-const FLOAT_TILE_BLOCK: usize = 512;
-
 /// Four widened weight rows against activation rows `x` (an even number, at most
 /// [`float::TILE_ROWS`]): `out[a][r]`, each [`float_dot_f32`]'s result. Two activation
 /// rows meet the four weight rows at a time in eight accumulators, one eighth of each
@@ -469,17 +465,8 @@ pub(super) fn float_tile(
     out: &mut [[f32; 4]],
 ) {
     let _ = cpu;
-    let k = x.first().map_or(0, |x| x.len());
-    assert!(
-        x.len().is_multiple_of(2) && x.len() <= float::TILE_ROWS && out.len() >= x.len(),
-        "a tile takes activation rows in pairs, at most {}",
-        float::TILE_ROWS
-    );
-    assert!(
-        w.iter().all(|w| w.len() >= k) && x.iter().all(|x| x.len() == k),
-        "rows shorter than the product's input"
-    );
-    // SAFETY: `cpu` proves AVX2 and FMA; every row holds `k` values.
+    float::tile_columns(w, x, out.len(), 2);
+    // SAFETY: `cpu` proves AVX2 and FMA; every row holds as many values as `x[0]`.
     unsafe { float_tile_avx2(format, w, x, ahead, out) }
 }
 
@@ -501,11 +488,11 @@ unsafe fn float_tile_avx2(
     // `part[p][e][a][r]`: eighth `e`'s partial sums of activation row `2p + a` by weight
     // row `r`, carried from one block of columns to the next.
     let mut part = [[[[_mm256_setzero_ps(); 4]; 2]; 8]; float::TILE_ROWS / 2];
-    let passes = 8 * pairs * whole.div_ceil(FLOAT_TILE_BLOCK).max(1);
-    let mut ahead = ahead.chunks(64 * ahead.len().div_ceil(64).div_ceil(passes).max(1));
+    let passes = 8 * pairs * whole.div_ceil(float::TILE_BLOCK).max(1);
+    let mut ahead = float::shares(ahead, passes);
     let mut from = 0;
     while from < whole {
-        let to = (from + FLOAT_TILE_BLOCK).min(whole);
+        let to = (from + float::TILE_BLOCK).min(whole);
         for (p, part) in part.iter_mut().take(pairs).enumerate() {
             let xp = [x[2 * p].as_ptr(), x[2 * p + 1].as_ptr()];
             for (e, part) in part.iter_mut().enumerate() {

@@ -24,6 +24,12 @@ pub(crate) const LANES: usize = 64;
 /// Most activation rows one [`FloatKernel::tile`] call takes: four register tiles of four.
 pub(crate) const TILE_ROWS: usize = 16;
 
+/// Columns each of a tile's passes covers before the next activation rows' turn (a multiple
+/// of 64): the four weight rows' block (8 KiB of f32) stays in the L1 cache while all
+/// [`TILE_ROWS`] activation rows meet it, where whole widened rows of a 2048- to 8192-wide
+/// layer (32 to 128 KiB) would be fetched from L2 again for every few activation rows.
+pub(crate) const TILE_BLOCK: usize = 512;
+
 /// A floating-point weight encoding.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum FloatFormat {
@@ -250,6 +256,26 @@ impl FloatKernel {
             FloatKernel::Avx512(cpu) => super::avx512::float::quad(cpu, format, w, x),
         }
     }
+}
+
+/// Checks a tile's rows (`x` a multiple of `group` rows, at most [`TILE_ROWS`], as many
+/// outputs, every row as long as `x[0]`) and returns their length.
+pub(crate) fn tile_columns(w: [&[f32]; 4], x: &[&[f32]], outputs: usize, group: usize) -> usize {
+    let k = x.first().map_or(0, |x| x.len());
+    assert!(
+        x.len().is_multiple_of(group) && x.len() <= TILE_ROWS && outputs >= x.len(),
+        "a tile takes activation rows {group} at a time, at most {TILE_ROWS}"
+    );
+    assert!(
+        w.iter().all(|w| w.len() >= k) && x.iter().all(|x| x.len() == k),
+        "rows shorter than the product's input"
+    );
+    k
+}
+
+/// `ahead` cut into one share of whole cache lines for each of a tile's `passes`.
+pub(crate) fn shares(ahead: &[u8], passes: usize) -> std::slice::Chunks<'_, u8> {
+    ahead.chunks(64 * ahead.len().div_ceil(64).div_ceil(passes.max(1)).max(1))
 }
 
 /// `len` f32 of `store` (grown as needed) starting on a 64-byte cache line.

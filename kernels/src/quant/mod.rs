@@ -670,6 +670,48 @@ impl Unpacked {
         } else {
             q5::Q5_1_BYTES
         };
+        self.fill_blocks(stride, signed, rows, |b, q| {
+            if signed {
+                *q = q5::values(&b[6..22], q5::high_bits(b, 2), 16);
+                0.0
+            } else {
+                *q = q5::values(&b[8..24], q5::high_bits(b, 4), 0);
+                f16_at(b, 2)
+            }
+        });
+    }
+
+    /// Unpacks four weight rows into this buffer, reusing its memory.
+    fn fill(&mut self, format: BlockFormat, rows: [&[u8]; 4]) {
+        let signed = format != BlockFormat::Q4_1;
+        self.fill_blocks(format.block_bytes(), signed, rows, |b, q| match format {
+            BlockFormat::Q4_1 => {
+                unpack_nibbles(&b[4..20], 0, q);
+                f16_at(b, 2)
+            }
+            BlockFormat::Q4_0 => {
+                unpack_nibbles(&b[2..18], 8, q);
+                0.0
+            }
+            BlockFormat::Q8_0 => {
+                for (dst, &src) in q.iter_mut().zip(&b[2..34]) {
+                    *dst = src as i8;
+                }
+                0.0
+            }
+        });
+    }
+
+    /// Four rows of blocks of `stride` bytes, each with its f16 scale first: per block, the
+    /// four rows' values, scales and minimums side by side, `unpack` writing a block's
+    /// values and returning its minimum.
+    fn fill_blocks(
+        &mut self,
+        stride: usize,
+        signed: bool,
+        rows: [&[u8]; 4],
+        unpack: impl Fn(&[u8], &mut [i8; BLOCK]) -> f32,
+    ) {
         let nb = rows[0].len() / stride;
         self.signed = signed;
         self.q.resize(nb * 4, [0; BLOCK]);
@@ -685,52 +727,7 @@ impl Unpacked {
             for r in 0..4 {
                 let b = &rows[r][at..at + stride];
                 d[r] = f16_at(b, 0);
-                if signed {
-                    m[r] = 0.0;
-                    q[r] = q5::values(&b[6..22], q5::high_bits(b, 2), 16);
-                } else {
-                    m[r] = f16_at(b, 2);
-                    q[r] = q5::values(&b[8..24], q5::high_bits(b, 4), 0);
-                }
-            }
-        }
-    }
-
-    /// Unpacks four weight rows into this buffer, reusing its memory.
-    fn fill(&mut self, format: BlockFormat, rows: [&[u8]; 4]) {
-        let stride = format.block_bytes();
-        let nb = rows[0].len() / stride;
-        self.signed = format != BlockFormat::Q4_1;
-        self.q.resize(nb * 4, [0; BLOCK]);
-        self.d.resize(nb * 4, 0.0);
-        self.m.resize(nb * 4, 0.0);
-        // Per block: four rows' values, scales and minimums side by side.
-        let blocks = self
-            .q
-            .chunks_exact_mut(4)
-            .zip(self.d.chunks_exact_mut(4))
-            .zip(self.m.chunks_exact_mut(4));
-        for (i, ((q, d), m)) in blocks.enumerate() {
-            let at = i * stride;
-            for r in 0..4 {
-                let b = &rows[r][at..at + stride];
-                d[r] = f16_at(b, 0);
-                match format {
-                    BlockFormat::Q4_1 => {
-                        m[r] = f16_at(b, 2);
-                        unpack_nibbles(&b[4..20], 0, &mut q[r]);
-                    }
-                    BlockFormat::Q4_0 => {
-                        m[r] = 0.0;
-                        unpack_nibbles(&b[2..18], 8, &mut q[r]);
-                    }
-                    BlockFormat::Q8_0 => {
-                        m[r] = 0.0;
-                        for (dst, &src) in q[r].iter_mut().zip(&b[2..34]) {
-                            *dst = src as i8;
-                        }
-                    }
-                }
+                m[r] = unpack(b, &mut q[r]);
             }
         }
     }

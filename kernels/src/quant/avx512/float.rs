@@ -4,7 +4,9 @@
 
 use std::arch::x86_64::*;
 
-use super::super::float::{finish, fold16, FloatFormat, LANES, TILE_ROWS};
+use super::super::float::{
+    finish, fold16, shares, tile_columns, FloatFormat, LANES, TILE_BLOCK, TILE_ROWS,
+};
 use crate::cpu::Avx512;
 
 /// Sixteen weights from `w` at value `i`, widened exactly.
@@ -151,12 +153,6 @@ unsafe fn quad_avx512(format: FloatFormat, w: [&[f32]; 4], x: &[f32]) -> [f32; 4
     out
 }
 
-/// Columns each of a [`tile`]'s passes covers before the next activation rows' turn (a
-/// multiple of 64): the four weight rows' block (8 KiB) stays in the L1 cache while all
-/// [`TILE_ROWS`] activation rows meet it, where whole widened rows of a 2048- to 8192-wide
-/// layer (32 to 128 KiB) would be fetched from L2 again for every four activation rows.
-const TILE_BLOCK: usize = 512;
-
 /// Four widened weight rows against activation rows `x` (a multiple of four, at most
 /// [`TILE_ROWS`]): `out[a][r]`. The column loop runs once per 16-lane quarter of each
 /// 64-value step, for four activation rows at a time, a block of columns at a time — the
@@ -176,16 +172,8 @@ pub(crate) fn tile(
     out: &mut [[f32; 4]],
 ) {
     let _ = cpu;
-    let k = x.first().map_or(0, |x| x.len());
-    assert!(
-        x.len().is_multiple_of(4) && x.len() <= TILE_ROWS && out.len() >= x.len(),
-        "a tile takes four to {TILE_ROWS} activation rows, four at a time"
-    );
-    assert!(
-        w.iter().all(|w| w.len() >= k) && x.iter().all(|x| x.len() == k),
-        "rows shorter than the product's input"
-    );
-    // SAFETY: `cpu` proves AVX-512 F; every row holds `k` values.
+    tile_columns(w, x, out.len(), 4);
+    // SAFETY: `cpu` proves AVX-512 F; every row holds as many values as `x[0]`.
     unsafe { tile_avx512(format, w, x, ahead, out) }
 }
 
@@ -208,7 +196,7 @@ unsafe fn tile_avx512(
     // `r`, carried from one block of columns to the next.
     let mut part = [[[[_mm512_setzero_ps(); 4]; 4]; 4]; TILE_ROWS / 4];
     let passes = 4 * tiles * whole.div_ceil(TILE_BLOCK).max(1);
-    let mut ahead = ahead.chunks(64 * ahead.len().div_ceil(64).div_ceil(passes).max(1));
+    let mut ahead = shares(ahead, passes);
     let mut from = 0;
     while from < whole {
         let to = (from + TILE_BLOCK).min(whole);

@@ -101,16 +101,53 @@ impl WeightFormat {
         }
     }
 
-    /// The 32-value format this is, if it is one.
-    fn small(self) -> Option<BlockFormat> {
+    /// The 32-value batch format this is, if it is one.
+    fn batched(self) -> Option<Batched> {
         match self {
-            WeightFormat::Q4_0 => Some(BlockFormat::Q4_0),
-            WeightFormat::Q4_1 => Some(BlockFormat::Q4_1),
-            WeightFormat::Q8_0 => Some(BlockFormat::Q8_0),
-            WeightFormat::Q5_0
-            | WeightFormat::Q5_1
-            | WeightFormat::K(_)
-            | WeightFormat::Float(_) => None,
+            WeightFormat::Q4_0 => Some(Batched::Block(BlockFormat::Q4_0)),
+            WeightFormat::Q4_1 => Some(Batched::Block(BlockFormat::Q4_1)),
+            WeightFormat::Q8_0 => Some(Batched::Block(BlockFormat::Q8_0)),
+            WeightFormat::Q5_0 => Some(Batched::Q5_0),
+            WeightFormat::Q5_1 => Some(Batched::Q5_1),
+            WeightFormat::K(_) | WeightFormat::Float(_) => None,
+        }
+    }
+}
+
+/// The 32-value formats the batch kernels run: the 4- and 8-bit ones every kernel has, and
+/// the 5-bit ones, which the wide and buffered kernels take unpacked (Q5_0's arithmetic is
+/// Q4_0's with five-bit values, Q5_1's Q4_1's).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Batched {
+    /// Q4_0, Q4_1 or Q8_0.
+    Block(BlockFormat),
+    /// Five-bit values minus 16 with a scale.
+    Q5_0,
+    /// Five-bit values with a scale and a minimum.
+    Q5_1,
+}
+
+impl Batched {
+    /// Bytes of one block.
+    pub(crate) const fn block_bytes(self) -> usize {
+        match self {
+            Batched::Block(f) => f.block_bytes(),
+            Batched::Q5_0 => q5::Q5_0_BYTES,
+            Batched::Q5_1 => q5::Q5_1_BYTES,
+        }
+    }
+
+    /// Whether blocks carry a minimum (and activations their sums).
+    pub(crate) const fn mins(self) -> bool {
+        matches!(self, Batched::Block(BlockFormat::Q4_1) | Batched::Q5_1)
+    }
+
+    /// The single-row dot product on the best tier `features` has.
+    fn dot(self, features: cpu::Features) -> Dot {
+        match self {
+            Batched::Block(f) => dot_kernel(features, f),
+            Batched::Q5_0 => q5_dot(features, true),
+            Batched::Q5_1 => q5_dot(features, false),
         }
     }
 }
@@ -280,7 +317,7 @@ impl QuantMatrix {
     /// product rounded before the minimum is added): an embedding lookup.
     pub fn dequantize_row(&self, r: usize, out: &mut [f32]) {
         let row = self.weight_row(r);
-        let Some(format) = self.format.small() else {
+        let Some(Batched::Block(format)) = self.format.batched() else {
             match self.format {
                 WeightFormat::K(k) => kquant::dequantize_row(k, row, out),
                 WeightFormat::Q5_0 => q5::dequantize_q5_0(row, out),
@@ -346,23 +383,17 @@ impl QuantMatrix {
                 kquant_dot(features, k),
                 kquant_tile(features, k).filter(|_| m >= KQUANT_TILE_MIN_ROWS),
             ),
-            WeightFormat::Q5_0 => self.matmul_pairs(
-                x,
-                m,
-                |r| quantize_row(r, false),
-                q5_dot(features, true),
-                Some(q5::tile::<true> as PairTile<_>).filter(|_| m >= Q5_TILE_MIN_ROWS),
-            ),
-            WeightFormat::Q5_1 => self.matmul_pairs(
-                x,
-                m,
-                |r| quantize_row(r, true),
-                q5_dot(features, false),
-                Some(q5::tile::<false> as PairTile<_>).filter(|_| m >= Q5_TILE_MIN_ROWS),
-            ),
+            WeightFormat::Q5_0 | WeightFormat::Q5_1 if m == 1 => {
+                let signed = self.format == WeightFormat::Q5_0;
+                let quantize = |r: &[f32]| quantize_row(r, !signed);
+                self.matmul_pairs(x, m, quantize, q5_dot(features, signed), None)
+            }
             WeightFormat::Float(f) => self.matmul_float(f, x, m),
             _ => {
-                let f = self.format.small().unwrap_or(BlockFormat::Q8_0);
+                let f = self
+                    .format
+                    .batched()
+                    .unwrap_or(Batched::Block(BlockFormat::Q8_0));
                 if m <= WEIGHT_PARALLEL_MAX_ROWS {
                     self.matmat_by_weight_rows(f, x, m)
                 } else {
@@ -373,11 +404,12 @@ impl QuantMatrix {
     }
 
     /// The product of the formats run one (weight row, activation row) dot product at a
-    /// time (K-quants, Q5_0, Q5_1) or, where there is a `tile` for the format, four weight
-    /// rows at a time against every activation row: the activation rows quantized once by
-    /// `quantize`, the weight rows split among the threads (each streamed once for all
-    /// activation rows) or, for long prefills, the activation rows. A tile gives each pair
-    /// its dot product's bits, so neither the split nor the tile changes a result.
+    /// time (K-quants without a tile on this CPU, Q5_0 and Q5_1 for one activation row) or,
+    /// where there is a `tile` for the format, four weight rows at a time against every
+    /// activation row: the activation rows quantized once by `quantize`, the weight rows
+    /// split among the threads (each streamed once for all activation rows) or, for long
+    /// prefills, the activation rows. A tile gives each pair its dot product's bits, so
+    /// neither the split nor the tile changes a result.
     fn matmul_pairs<A: Sync>(
         &self,
         x: &[f32],
@@ -496,15 +528,15 @@ impl QuantMatrix {
     }
 
     /// The activation rows quantized as the weight format's dot product wants them.
-    fn quantize(&self, f: BlockFormat, x: &[f32]) -> Vec<QuantizedRow> {
-        let with_sums = f == BlockFormat::Q4_1;
+    fn quantize(&self, f: Batched, x: &[f32]) -> Vec<QuantizedRow> {
+        let with_sums = f.mins();
         x.chunks_exact(self.cols)
             .map(|row| quantize_row(row, with_sums))
             .collect()
     }
 
-    fn matmat_by_weight_rows(&self, f: BlockFormat, x: &[f32], m: usize) -> Buf {
-        let dot = dot_kernel(cpu::detect(), f);
+    fn matmat_by_weight_rows(&self, f: Batched, x: &[f32], m: usize) -> Buf {
+        let dot = f.dot(cpu::detect());
         let acts = self.quantize(f, x);
         let plan = Plan::new(f, &acts);
         // Each task owns a range of weight rows: its piece of every output row.
@@ -536,8 +568,8 @@ impl QuantMatrix {
         out
     }
 
-    fn matmat_by_activation_rows(&self, f: BlockFormat, x: &[f32], m: usize) -> Buf {
-        let dot = dot_kernel(cpu::detect(), f);
+    fn matmat_by_activation_rows(&self, f: Batched, x: &[f32], m: usize) -> Buf {
+        let dot = f.dot(cpu::detect());
         let mut out = Buf::take(m * self.rows);
         let (fewest, most) = ACT_ROWS_PER_TASK;
         let fit = (TASK_OUTPUT_BYTES / (self.rows * 4).max(1)).clamp(fewest, most) / 4 * 4;
@@ -599,30 +631,25 @@ enum Plan<'a> {
 
 impl<'a> Plan<'a> {
     /// The fastest way this CPU has for `acts` against weights of `format`.
-    fn new(format: BlockFormat, acts: &'a [QuantizedRow]) -> Self {
+    fn new(format: Batched, acts: &'a [QuantizedRow]) -> Self {
         let features = cpu::detect();
         #[cfg(target_arch = "x86_64")]
         if let Some(cpu) = features.avx512_vnni() {
-            return if acts.len() < WIDE_MIN_ROWS {
-                Plan::Packed(avx512::packed_tile(cpu, format), acts)
-            } else {
-                Plan::Wide(cpu, avx512::wide::WideActs::new(cpu, format, acts))
-            };
+            if acts.len() >= WIDE_MIN_ROWS {
+                return Plan::Wide(cpu, avx512::wide::WideActs::new(cpu, format, acts));
+            }
+            if let Batched::Block(f) = format {
+                return Plan::Packed(avx512::packed_tile(cpu, f), acts);
+            }
         }
-        match acts {
-            [one] => Plan::Single(dot4_kernel(features, format), one),
+        match (format, acts) {
+            (Batched::Block(f), [one]) => Plan::Single(dot4_kernel(features, f), one),
             _ => Plan::Buffered(tile_kernel(features), acts),
         }
     }
 
     /// `out[i]`: the four weight rows `w` against activation row `i`.
-    fn quad(
-        &self,
-        format: BlockFormat,
-        scratch: &mut Scratch,
-        w: [&[u8]; 4],
-        out: &mut [[f32; 4]],
-    ) {
+    fn quad(&self, format: Batched, scratch: &mut Scratch, w: [&[u8]; 4], out: &mut [[f32; 4]]) {
         match self {
             Plan::Single(dot4, a) => out[0] = dot4(w, a),
             #[cfg(target_arch = "x86_64")]
@@ -633,7 +660,11 @@ impl<'a> Plan<'a> {
                 avx512::wide::tile(*cpu, &mut scratch.wide, acts, &mut out[..acts.rows()]);
             }
             Plan::Buffered(tile, acts) => {
-                scratch.unpacked.fill(format, w);
+                match format {
+                    Batched::Block(f) => scratch.unpacked.fill(f, w),
+                    Batched::Q5_0 => scratch.unpacked.fill_q5(true, w),
+                    Batched::Q5_1 => scratch.unpacked.fill_q5(false, w),
+                }
                 tile(&scratch.unpacked, acts, out);
             }
         }
@@ -806,10 +837,6 @@ type PairTile<A> = fn([&[u8]; 4], &[A], &mut [[f32; 4]]);
 /// Activation rows from which a K-quant product runs four weight rows at a time: a weight
 /// super-block is then unpacked once for all of them rather than once per pair.
 const KQUANT_TILE_MIN_ROWS: usize = 2;
-
-/// Activation rows from which a Q5_0 or Q5_1 product unpacks four weight rows once for all
-/// of them (the 4-bit formats' buffered tile) rather than once per pair.
-const Q5_TILE_MIN_ROWS: usize = 2;
 
 /// The K-quant tile for `format` on the best tier `features` has, if it has one.
 fn kquant_tile(features: cpu::Features, format: KFormat) -> Option<PairTile<kquant::Q8KRow>> {

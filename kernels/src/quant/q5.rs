@@ -4,11 +4,8 @@
 //! integer lanes of four products, one fused multiply-add per block into each lane, the
 //! same reduction — and `avx2` runs them with the instructions themselves.
 
-use std::cell::RefCell;
-
 use super::portable::{block_lanes, hsum8};
-use super::{f16_at, tile_kernel, QuantizedRow, Unpacked, BLOCK};
-use crate::cpu;
+use super::{f16_at, QuantizedRow, BLOCK};
 
 /// Bytes of a Q5_0 block: scale, high bits, nibbles.
 pub const Q5_0_BYTES: usize = 22;
@@ -32,20 +29,6 @@ pub(super) fn values(qs: &[u8], qh: [u8; 4], offset: i8) -> [i8; BLOCK] {
 /// The four bytes of high bits at `at` of block `b`.
 pub(super) fn high_bits(b: &[u8], at: usize) -> [u8; 4] {
     [b[at], b[at + 1], b[at + 2], b[at + 3]]
-}
-
-/// Four Q5_0 (`SIGNED`) or Q5_1 weight rows against every activation row, `out[a][r]`: the
-/// rows unpacked once into a per-thread buffer, then the 4-bit formats' buffered tile,
-/// whose arithmetic is ggml's Q5 dot products' (Q5_0 is Q4_0's with five-bit values, Q5_1
-/// Q4_1's), so each result is [`dot_q5_0`]'s or [`dot_q5_1`]'s bit for bit.
-pub(crate) fn tile<const SIGNED: bool>(w: [&[u8]; 4], acts: &[QuantizedRow], out: &mut [[f32; 4]]) {
-    thread_local! {
-        static UNPACKED: RefCell<Unpacked> = RefCell::new(Unpacked::default());
-    }
-    UNPACKED.with_borrow_mut(|u| {
-        u.fill_q5(SIGNED, w);
-        tile_kernel(cpu::detect())(u, acts, out);
-    });
 }
 
 /// `ggml_vec_dot_q5_0_q8_0`.

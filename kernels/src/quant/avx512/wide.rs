@@ -12,9 +12,10 @@
 //!   ([`WideQuad::fill`]), with no lane shuffles (pairing two activation rows per 512-bit
 //!   register would double every weight group). Activation rows are used as quantized,
 //!   grouped by four.
-//! - Signed weights (Q4_0, Q8_0) are made unsigned by an offset `k` (8 for the raw nibbles,
-//!   128 for bytes), and each integer dot product starts from minus `k` times its
-//!   activation values' sum, so it ends at the signed sum itself.
+//! - Signed weights (Q4_0, Q8_0, Q5_0) are made unsigned by an offset `k` (8 for the raw
+//!   nibbles, 128 for bytes, 16 for five-bit values), and each integer dot product starts
+//!   from minus `k` times its activation values' sum, so it ends at the signed sum itself.
+//!   Q5_1 runs as Q4_1 does, its values five bits wide.
 //! - A tile's sixteen results are summed from their lanes in registers, by the same tree
 //!   as the row-at-a-time code.
 //!
@@ -25,7 +26,7 @@ use std::arch::x86_64::*;
 
 use crate::cpu::Avx512Vnni;
 use crate::fold::{pairs, quarters};
-use crate::quant::{BlockFormat, QuantizedRow, BLOCK};
+use crate::quant::{Batched, BlockFormat, QuantizedRow, BLOCK};
 
 /// 64 bytes aligned for one 512-bit load.
 #[derive(Debug, Clone, Copy)]
@@ -92,15 +93,15 @@ pub(crate) struct WideQuad {
 
 impl WideQuad {
     /// Unpacks four GGUF rows of `format` into this buffer, reusing its memory.
-    pub(crate) fn fill(&mut self, cpu: Avx512Vnni, format: BlockFormat, rows: [&[u8]; 4]) {
+    pub(crate) fn fill(&mut self, cpu: Avx512Vnni, format: Batched, rows: [&[u8]; 4]) {
         let _ = cpu;
         // SAFETY: `cpu` proves every feature `fill_quad` enables.
         unsafe { fill_quad(self, format, rows) }
     }
 }
 
-#[target_feature(enable = "avx512f,avx512bw,avx2,f16c")]
-fn fill_quad(quad: &mut WideQuad, format: BlockFormat, rows: [&[u8]; 4]) {
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,f16c")]
+fn fill_quad(quad: &mut WideQuad, format: Batched, rows: [&[u8]; 4]) {
     let stride = format.block_bytes();
     let nb = rows[0].len() / stride;
     assert!(rows.iter().all(|r| r.len() == nb * stride));
@@ -117,10 +118,14 @@ fn fill_quad(quad: &mut WideQuad, format: BlockFormat, rows: [&[u8]; 4]) {
     let fours = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
     let low = _mm256_set1_epi8(0x0F);
     let flip = _mm256_set1_epi8(-128);
-    let values = match format {
-        BlockFormat::Q4_1 => 4,
-        _ => 2,
+    // Where a block's value bytes (nibbles or bytes) start, and its high bits (Q5_0, Q5_1).
+    let (values, high) = match format {
+        Batched::Block(BlockFormat::Q4_1) => (4, None),
+        Batched::Block(_) => (2, None),
+        Batched::Q5_0 => (6, Some(2)),
+        Batched::Q5_1 => (8, Some(4)),
     };
+    let sixteen = _mm256_set1_epi8(16);
     let p = rows.map(|r| r.as_ptr());
     for (i, dst) in quad.blocks.iter_mut().enumerate() {
         let at = i * stride;
@@ -129,7 +134,7 @@ fn fill_quad(quad: &mut WideQuad, format: BlockFormat, rows: [&[u8]; 4]) {
         // at `values`; all loads are unaligned. Each `Lane32` and `Lane64` is aligned to
         // its size: aligned stores.
         unsafe {
-            let (scales, mins) = if format == BlockFormat::Q4_1 {
+            let (scales, mins) = if format.mins() {
                 let head = |r: usize| p[r].add(at).cast::<i32>().read_unaligned();
                 let dm = _mm256_cvtph_ps(_mm_setr_epi32(head(0), head(1), head(2), head(3)));
                 let dm = _mm512_castps256_ps512(dm);
@@ -158,7 +163,7 @@ fn fill_quad(quad: &mut WideQuad, format: BlockFormat, rows: [&[u8]; 4]) {
                 let v = row.add(at + values);
                 // The 32 values in order, unsigned: Q8_0 bytes with the sign bit flipped,
                 // nibbles as they are (low nibbles are values 0-15, high ones 16-31).
-                let bytes = if format == BlockFormat::Q8_0 {
+                let mut bytes = if format == Batched::Block(BlockFormat::Q8_0) {
                     _mm256_xor_si256(_mm256_loadu_si256(v.cast()), flip)
                 } else {
                     let x = _mm_loadu_si128(v.cast());
@@ -168,6 +173,12 @@ fn fill_quad(quad: &mut WideQuad, format: BlockFormat, rows: [&[u8]; 4]) {
                     );
                     _mm256_and_si256(y, low)
                 };
+                if let Some(high) = high {
+                    // Value j's fifth bit is bit j of the block's four high-bit bytes: 16
+                    // added to the nibble (Q5_0's values are thereby 16 above themselves).
+                    let bits = row.add(at + high).cast::<u32>().read_unaligned();
+                    bytes = _mm256_mask_add_epi8(bytes, bits, bytes, sixteen);
+                }
                 _mm256_store_si256(lane.0.as_mut_ptr().cast(), bytes);
             }
             _mm512_store_ps(dst.scales.0.as_mut_ptr().cast(), scales);
@@ -195,18 +206,19 @@ pub(crate) struct WideActs {
 
 impl WideActs {
     /// Lays out `acts` for weights of `format`.
-    pub(crate) fn new(cpu: Avx512Vnni, format: BlockFormat, acts: &[QuantizedRow]) -> Self {
+    pub(crate) fn new(cpu: Avx512Vnni, format: Batched, acts: &[QuantizedRow]) -> Self {
         let blocks = acts.first().map_or(0, |a| a.d.len());
         assert!(acts
             .iter()
             .all(|a| a.d.len() == blocks && a.q.len() == blocks * BLOCK));
-        let mins = format == BlockFormat::Q4_1;
+        let mins = format.mins();
         // What makes the weights unsigned, as a power of two: raw nibbles are 8 above Q4_0's
-        // values, flipped sign bits 128 above Q8_0's.
+        // values, flipped sign bits 128 above Q8_0's, five-bit values 16 above Q5_0's.
         let shift = match format {
-            BlockFormat::Q4_1 => None,
-            BlockFormat::Q4_0 => Some(3),
-            BlockFormat::Q8_0 => Some(7),
+            Batched::Block(BlockFormat::Q4_1) | Batched::Q5_1 => None,
+            Batched::Block(BlockFormat::Q4_0) => Some(3),
+            Batched::Block(BlockFormat::Q8_0) => Some(7),
+            Batched::Q5_0 => Some(4),
         };
         let cells = acts.len().div_ceil(4) * blocks * 4;
         let mut out = WideActs {
@@ -432,11 +444,11 @@ mod tests {
             let rows = weight_rows(format, blocks, 1);
             let w = [0, 1, 2, 3].map(|r| &rows[r][..]);
             let mut quad = WideQuad::default();
-            quad.fill(cpu, format, w);
+            quad.fill(cpu, Batched::Block(format), w);
             // Whole groups, a padded group, and a single row.
             for n in [1, 3, 4, 9] {
                 let acts: Vec<QuantizedRow> = (0..n).map(|i| activation(blocks, i)).collect();
-                let wide = WideActs::new(cpu, format, &acts);
+                let wide = WideActs::new(cpu, Batched::Block(format), &acts);
                 let mut out = vec![[0f32; 4]; n];
                 tile(cpu, &mut quad, &wide, &mut out);
                 for (i, (o, a)) in out.iter().zip(&acts).enumerate() {

@@ -58,6 +58,10 @@ pub struct Q8KRow {
     pub(crate) d: Vec<f32>,
     pub(crate) qs: Vec<i8>,
     pub(crate) bsums: Vec<i16>,
+    /// The sums of each 32 bytes (adjacent `bsums` added, wrapping, as ggml's `hadd`), eight
+    /// per super-block: what Q4_K and Q5_K multiply their minimums by, worked out once for
+    /// every weight row.
+    pub(crate) sums32: Vec<i16>,
 }
 
 /// ggml's `nearest_int`: round half to even through the float's mantissa.
@@ -73,6 +77,7 @@ pub fn quantize_row_q8k(x: &[f32]) -> Q8KRow {
         d: Vec::with_capacity(nb),
         qs: vec![0; nb * QK_K],
         bsums: vec![0; nb * QK_K / 16],
+        sums32: Vec::with_capacity(nb * QK_K / 32),
     };
     for (i, block) in x.chunks_exact(QK_K).enumerate() {
         let (mut max, mut amax) = (0f32, 0f32);
@@ -99,6 +104,11 @@ pub fn quantize_row_q8k(x: &[f32]) -> Q8KRow {
         }
         row.d.push(1.0 / iscale);
     }
+    row.sums32 = row
+        .bsums
+        .chunks_exact(2)
+        .map(|p| p[0].wrapping_add(p[1]))
+        .collect();
     row
 }
 

@@ -275,15 +275,21 @@ fn unpack<const F: u8>(
     }
 }
 
+/// The eight 32-byte sums of super-block `i` of `a`.
+#[inline]
+#[target_feature(enable = "avx2")]
+fn sums32(a: &Q8KRow, i: usize) -> __m128i {
+    let s = &a.sums32[8 * i..8 * (i + 1)];
+    // SAFETY: `s` is exactly eight i16 (16 bytes); the load is unaligned.
+    unsafe { _mm_loadu_si128(s.as_ptr().cast()) }
+}
+
 #[inline]
 #[target_feature(enable = "avx2")]
 fn act<const F: u8>(a: &Q8KRow, i: usize) -> Act<'_> {
     let bsums = bsums(a, i);
     let q8s = if F == Q4 || F == Q5 {
-        _mm_hadd_epi16(
-            _mm256_extracti128_si256::<0>(bsums),
-            _mm256_extracti128_si256::<1>(bsums),
-        )
+        sums32(a, i)
     } else {
         _mm_setzero_si128()
     };
@@ -504,11 +510,7 @@ fn quad_float_step<const F: u8>(
         *acc = _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(sumi), *acc);
     }
     if F == Q4 || F == Q5 {
-        let q8s = _mm_hadd_epi16(
-            _mm256_extracti128_si256::<0>(bsums),
-            _mm256_extracti128_si256::<1>(bsums),
-        );
-        let mut prod = _mm512_madd_epi16(quad.mins4, _mm512_broadcast_i32x4(q8s));
+        let mut prod = _mm512_madd_epi16(quad.mins4, _mm512_broadcast_i32x4(sums32(a, i)));
         if F == Q5 {
             // Each row's four lanes summed into its first (exact integers).
             let swap = _mm512_shuffle_epi32::<0b01_00_11_10>(prod);

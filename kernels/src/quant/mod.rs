@@ -419,38 +419,6 @@ impl QuantMatrix {
         tile: Option<PairTile<A>>,
     ) -> Buf {
         let mut out = Buf::take(m * self.rows);
-        // Rows `first..first + n` against `acts`, the result for activation `i` and weight
-        // row `first + r` handed to `put(i, r, value)`.
-        let run = |first: usize, n: usize, acts: &[A], put: &mut dyn FnMut(usize, usize, f32)| {
-            let mut done = 0;
-            if let Some(tile) = tile {
-                let mut tiles = vec![[0f32; 4]; acts.len()];
-                done = n / 4 * 4;
-                for row in (first..first + done).step_by(4) {
-                    tile(
-                        [0, 1, 2, 3].map(|j| self.weight_row(row + j)),
-                        acts,
-                        &mut tiles,
-                    );
-                    for (i, t) in tiles.iter().enumerate() {
-                        for (j, &v) in t.iter().enumerate() {
-                            put(i, row - first + j, v);
-                        }
-                    }
-                }
-            } else {
-                self.prefetch_rows(first, first + 4 * PREFETCH_QUADS, first + n);
-            }
-            for r in done..n {
-                let at = first + r;
-                let ahead = at + 4 * PREFETCH_QUADS;
-                self.prefetch_rows(ahead, ahead + 1, first + n);
-                let w = self.weight_row(at);
-                for (i, a) in acts.iter().enumerate() {
-                    put(i, r, dot(w, a));
-                }
-            }
-        };
         if m <= WEIGHT_PARALLEL_MAX_ROWS {
             let acts: Vec<A> = x.chunks_exact(self.cols).map(&quantize).collect();
             let per_task = self.rows_per_weight_task();
@@ -460,7 +428,9 @@ impl QuantMatrix {
                 .enumerate()
                 .for_each(|(task, dst)| {
                     let n = dst[0].len();
-                    run(task * per_task, n, &acts, &mut |i, r, v| dst[i][r] = v);
+                    self.pair_rows(task * per_task, n, &acts, dot, tile, |i, r, v| {
+                        dst[i][r..r + v.len()].copy_from_slice(v)
+                    });
                 });
         } else {
             let (fewest, most) = ACT_ROWS_PER_TASK;
@@ -475,11 +445,51 @@ impl QuantMatrix {
                         .chunks_exact(self.cols)
                         .map(&quantize)
                         .collect();
-                    let stride = self.rows;
-                    run(0, self.rows, &acts, &mut |i, r, v| dst[i * stride + r] = v);
+                    let at = |i: usize, r: usize| i * self.rows + r;
+                    self.pair_rows(0, self.rows, &acts, dot, tile, |i, r, v| {
+                        dst[at(i, r)..at(i, r) + v.len()].copy_from_slice(v)
+                    });
                 });
         }
         out
+    }
+
+    /// Weight rows `first..first + n` against `acts` for [`Self::matmul_pairs`]: four rows
+    /// at a time through `tile` if there is one, the rest pair by pair through `dot`; the
+    /// results for activation row `i` from weight row `first + r` on handed to
+    /// `put(i, r, values)`.
+    fn pair_rows<A>(
+        &self,
+        first: usize,
+        n: usize,
+        acts: &[A],
+        dot: fn(&[u8], &A) -> f32,
+        tile: Option<PairTile<A>>,
+        mut put: impl FnMut(usize, usize, &[f32]),
+    ) {
+        let mut done = 0;
+        if let Some(tile) = tile {
+            let mut tiles = vec![[0f32; 4]; acts.len()];
+            done = n / 4 * 4;
+            for row in (first..first + done).step_by(4) {
+                let w = [0, 1, 2, 3].map(|j| self.weight_row(row + j));
+                tile(w, acts, &mut tiles);
+                for (i, t) in tiles.iter().enumerate() {
+                    put(i, row - first, t);
+                }
+            }
+        } else {
+            self.prefetch_rows(first, first + 4 * PREFETCH_QUADS, first + n);
+        }
+        for r in done..n {
+            let at = first + r;
+            let ahead = at + 4 * PREFETCH_QUADS;
+            self.prefetch_rows(ahead, ahead + 1, first + n);
+            let w = self.weight_row(at);
+            for (i, a) in acts.iter().enumerate() {
+                put(i, r, &[dot(w, a)]);
+            }
+        }
     }
 
     /// Weight rows per task (whole groups of four) when a product splits the weight rows

@@ -539,25 +539,27 @@ unsafe fn float_tile_avx2(
     }
 }
 
-/// Weight row `row` (`out.len()` values of `format`) widened exactly into `out`, eight
-/// values per instruction.
-pub(super) fn float_widen(cpu: Avx2, format: FloatFormat, row: &[u8], out: &mut [f32]) {
+/// The first values of weight row `row` widened exactly into `out`, eight per instruction;
+/// returns how many (`out.len()` rounded down to a multiple of eight). The caller checks
+/// that `row` holds `out.len()` values of `format`.
+pub(super) fn float_widen(cpu: Avx2, format: FloatFormat, row: &[u8], out: &mut [f32]) -> usize {
     let _ = cpu;
+    let whole = out.len() / 8 * 8;
     assert!(
-        row.len() >= out.len() * format.bytes(),
+        row.len() >= whole * format.bytes(),
         "weight row shorter than its output"
     );
-    // SAFETY: `cpu` proves AVX2 and F16C; the row holds `out.len()` values.
-    unsafe { float_widen_avx2(format, row, out) }
+    // SAFETY: `cpu` proves AVX2 and F16C; the row holds `whole` values.
+    unsafe { float_widen_avx2(format, row, &mut out[..whole]) };
+    whole
 }
 
 /// # Safety
-/// `row` must hold `out.len()` values of `format`.
+/// `row` must hold `out.len()` values of `format`, a multiple of eight.
 #[target_feature(enable = "avx2,f16c")]
 unsafe fn float_widen_avx2(format: FloatFormat, row: &[u8], out: &mut [f32]) {
-    let whole = out.len() / 8 * 8;
     let (w, o) = (row.as_ptr(), out.as_mut_ptr());
-    for i in (0..whole).step_by(8) {
+    for i in (0..out.len()).step_by(8) {
         // SAFETY: values `i..i + 8` are in both `row` and `out`; unaligned loads and stores.
         unsafe {
             let v = match format {
@@ -569,9 +571,6 @@ unsafe fn float_widen_avx2(format: FloatFormat, row: &[u8], out: &mut [f32]) {
             };
             _mm256_storeu_ps(o.add(i), v);
         }
-    }
-    for (i, v) in out.iter_mut().enumerate().skip(whole) {
-        *v = format.at(row, i);
     }
 }
 

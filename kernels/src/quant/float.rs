@@ -237,12 +237,19 @@ impl FloatKernel {
 
     /// Weight row `row` (in `format`) widened exactly to f32 into `out`.
     pub(crate) fn widen(self, format: FloatFormat, row: &[u8], out: &mut [f32]) {
-        match self {
+        assert!(
+            row.len() >= out.len() * format.bytes(),
+            "weight row shorter than its output"
+        );
+        let done = match self {
             #[cfg(target_arch = "x86_64")]
             FloatKernel::Avx512(cpu) => super::avx512::float::widen(cpu, format, row, out),
             #[cfg(target_arch = "x86_64")]
             FloatKernel::Avx2(cpu) => super::avx2::float_widen(cpu, format, row, out),
-            FloatKernel::Portable => format.widen(row, out),
+            FloatKernel::Portable => 0,
+        };
+        for (i, v) in out.iter_mut().enumerate().skip(done) {
+            *v = format.at(row, i);
         }
     }
 

@@ -28,30 +28,29 @@ unsafe fn load(format: FloatFormat, w: *const u8, i: usize) -> __m512 {
     }
 }
 
-/// Weight row `row` (`out.len()` values of `format`) widened exactly into `out`, sixteen
-/// values per instruction.
-pub(crate) fn widen(cpu: Avx512, format: FloatFormat, row: &[u8], out: &mut [f32]) {
+/// The first values of weight row `row` widened exactly into `out`, sixteen per
+/// instruction; returns how many (`out.len()` rounded down to a multiple of sixteen). The
+/// caller checks that `row` holds `out.len()` values of `format`.
+pub(crate) fn widen(cpu: Avx512, format: FloatFormat, row: &[u8], out: &mut [f32]) -> usize {
     let _ = cpu;
+    let whole = out.len() / 16 * 16;
     assert!(
-        row.len() >= out.len() * format.bytes(),
+        row.len() >= whole * format.bytes(),
         "weight row shorter than its output"
     );
-    // SAFETY: `cpu` proves AVX-512 F; the row holds `out.len()` values.
-    unsafe { widen_avx512(format, row, out) }
+    // SAFETY: `cpu` proves AVX-512 F; the row holds `whole` values.
+    unsafe { widen_avx512(format, row, &mut out[..whole]) };
+    whole
 }
 
 /// # Safety
-/// `row` must hold `out.len()` values of `format`.
+/// `row` must hold `out.len()` values of `format`, a multiple of sixteen.
 #[target_feature(enable = "avx512f")]
 unsafe fn widen_avx512(format: FloatFormat, row: &[u8], out: &mut [f32]) {
-    let whole = out.len() / 16 * 16;
     let (w, o) = (row.as_ptr(), out.as_mut_ptr());
-    for i in (0..whole).step_by(16) {
+    for i in (0..out.len()).step_by(16) {
         // SAFETY: values `i..i + 16` are in both `row` and `out`.
         unsafe { _mm512_storeu_ps(o.add(i), load(format, w, i)) };
-    }
-    for (i, v) in out.iter_mut().enumerate().skip(whole) {
-        *v = format.at(row, i);
     }
 }
 

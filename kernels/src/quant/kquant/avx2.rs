@@ -148,36 +148,116 @@ pub(super) fn split_i8(v: __m128i, k: i32) -> __m128i {
     _mm_shuffle_epi8(v, unsafe { _mm_loadu_si128(c.as_ptr().cast()) })
 }
 
+/// Q4_K and Q5_K's header: the eight scales as i16 in both 128-bit lanes, and the eight
+/// minimums as i16.
+#[inline]
+#[target_feature(enable = "avx2")]
+pub(super) fn k4_scales_mins(b: &[u8]) -> (__m256i, __m128i) {
+    let (scales8, mins8) = scales_mins_k4(&b[4..16]);
+    let mut sm = [0u8; 16];
+    sm[..8].copy_from_slice(&scales8);
+    sm[8..].copy_from_slice(&mins8);
+    // SAFETY: `sm` is sixteen bytes; the load is unaligned.
+    let ms = _mm256_cvtepu8_epi16(unsafe { _mm_loadu_si128(sm.as_ptr().cast()) });
+    let sc128 = _mm256_extracti128_si256::<0>(ms);
+    (
+        _mm256_set_m128i(sc128, sc128),
+        _mm256_extracti128_si256::<1>(ms),
+    )
+}
+
+/// The eight 32-byte sums of super-block `i` of `a`.
+#[inline]
+#[target_feature(enable = "avx2")]
+pub(super) fn sums32(a: &Q8KRow, i: usize) -> __m128i {
+    let s = &a.sums32[8 * i..8 * (i + 1)];
+    // SAFETY: `s` is exactly eight i16 (16 bytes); the load is unaligned.
+    unsafe { _mm_loadu_si128(s.as_ptr().cast()) }
+}
+
+/// Sixteen i16 scales as two registers: the first eight in both 128-bit lanes, then the last
+/// eight (what `split_i16` picks from).
+#[inline]
+#[target_feature(enable = "avx2")]
+pub(super) fn scale_halves(all: __m256i) -> [__m256i; 2] {
+    let (lo, hi) = (
+        _mm256_extracti128_si256::<0>(all),
+        _mm256_extracti128_si256::<1>(all),
+    );
+    [_mm256_set_m128i(lo, lo), _mm256_set_m128i(hi, hi)]
+}
+
+/// Values of chunks `2j` and `2j + 1` of a Q4_K super-block (`hbits` none) or a Q5_K one
+/// (its 32 high-bit bytes), as unsigned bytes.
+#[inline]
+#[target_feature(enable = "avx2")]
+pub(super) fn k4_values(b: &[u8], hbits: Option<__m256i>, j: usize) -> [__m256i; 2] {
+    let m4 = _mm256_set1_epi8(0xF);
+    let bits = load32(b, if hbits.is_some() { 48 } else { 16 } + 32 * j);
+    let mut v = [
+        _mm256_and_si256(bits, m4),
+        _mm256_and_si256(_mm256_srli_epi16::<4>(bits), m4),
+    ];
+    if let Some(hbits) = hbits {
+        let mone = _mm256_set1_epi8(1);
+        for (k, v) in v.iter_mut().enumerate() {
+            let shifted = _mm256_srl_epi16(hbits, _mm_cvtsi32_si128((2 * j + k) as i32));
+            *v = _mm256_add_epi8(*v, _mm256_slli_epi16::<4>(_mm256_and_si256(shifted, mone)));
+        }
+    }
+    v
+}
+
+/// Values of chunks `4j..4j + 4` of a Q6_K super-block, as unsigned bytes (32 above them).
+#[inline]
+#[target_feature(enable = "avx2")]
+pub(super) fn q6k_values(b: &[u8], j: usize) -> [__m256i; 4] {
+    let (m3, m15) = (_mm256_set1_epi8(3), _mm256_set1_epi8(15));
+    let bits1 = load32(b, 64 * j);
+    let bits2 = load32(b, 64 * j + 32);
+    let h = load32(b, 128 + 32 * j);
+    let h0 = _mm256_slli_epi16::<4>(_mm256_and_si256(h, m3));
+    let h1 = _mm256_slli_epi16::<2>(_mm256_and_si256(h, _mm256_set1_epi8(12)));
+    let h2 = _mm256_and_si256(h, _mm256_set1_epi8(48));
+    let h3 = _mm256_srli_epi16::<2>(_mm256_and_si256(h, _mm256_set1_epi8(-64)));
+    let high4 = |v: __m256i| _mm256_and_si256(_mm256_srli_epi16::<4>(v), m15);
+    [
+        _mm256_or_si256(_mm256_and_si256(bits1, m15), h0),
+        _mm256_or_si256(_mm256_and_si256(bits2, m15), h1),
+        _mm256_or_si256(high4(bits1), h2),
+        _mm256_or_si256(high4(bits2), h3),
+    ]
+}
+
+/// Values of chunks `4j..4j + 4` of a Q2_K super-block.
+#[inline]
+#[target_feature(enable = "avx2")]
+pub(super) fn q2k_values(b: &[u8], j: usize) -> [__m256i; 4] {
+    let m3 = _mm256_set1_epi8(3);
+    let bits = load32(b, 16 + 32 * j);
+    [
+        _mm256_and_si256(bits, m3),
+        _mm256_and_si256(_mm256_srli_epi16::<2>(bits), m3),
+        _mm256_and_si256(_mm256_srli_epi16::<4>(bits), m3),
+        _mm256_and_si256(_mm256_srli_epi16::<6>(bits), m3),
+    ]
+}
+
 #[target_feature(enable = "avx2,fma")]
 fn q4k_avx2(w: &[u8], a: &Q8KRow) -> f32 {
-    let m4 = _mm256_set1_epi8(0xF);
     let mut acc = _mm256_setzero_ps();
     let mut acc_m = _mm_setzero_ps();
     for (i, b) in w.chunks_exact(KFormat::Q4K.block_bytes()).enumerate() {
         let d = a.d[i] * f16_at(b, 0);
         let dmin = -a.d[i] * f16_at(b, 2);
-        let (scales8, mins8) = scales_mins_k4(&b[4..16]);
-        let mut sm = [0u8; 16];
-        sm[..8].copy_from_slice(&scales8);
-        sm[8..].copy_from_slice(&mins8);
-        // SAFETY: `sm` is sixteen bytes; the load is unaligned.
-        let mins_and_scales = _mm256_cvtepu8_epi16(unsafe { _mm_loadu_si128(sm.as_ptr().cast()) });
-        let q8sums = bsums(a, i);
-        let q8s = _mm_hadd_epi16(
-            _mm256_extracti128_si256::<0>(q8sums),
-            _mm256_extracti128_si256::<1>(q8sums),
-        );
-        let prod = _mm_madd_epi16(_mm256_extracti128_si256::<1>(mins_and_scales), q8s);
+        let (scales, mins) = k4_scales_mins(b);
+        let prod = _mm_madd_epi16(mins, sums32(a, i));
         acc_m = _mm_fmadd_ps(_mm_set1_ps(dmin), _mm_cvtepi32_ps(prod), acc_m);
-        let sc128 = _mm256_extracti128_si256::<0>(mins_and_scales);
-        let scales = _mm256_set_m128i(sc128, sc128);
         let mut sumi = _mm256_setzero_si256();
         for j in 0..QK_K / 64 {
             let scale_l = broadcast_i16(scales, 2 * j as i32);
             let scale_h = broadcast_i16(scales, 2 * j as i32 + 1);
-            let q4bits = load32(b, 16 + 32 * j);
-            let q4l = _mm256_and_si256(q4bits, m4);
-            let q4h = _mm256_and_si256(_mm256_srli_epi16::<4>(q4bits), m4);
+            let [q4l, q4h] = k4_values(b, None, j);
             let q8l = load_q8(&a.qs, i * QK_K + 64 * j);
             let p16l = _mm256_madd_epi16(scale_l, _mm256_maddubs_epi16(q4l, q8l));
             let q8h = load_q8(&a.qs, i * QK_K + 64 * j + 32);
@@ -193,49 +273,22 @@ fn q4k_avx2(w: &[u8], a: &Q8KRow) -> f32 {
 
 #[target_feature(enable = "avx2,fma")]
 fn q5k_avx2(w: &[u8], a: &Q8KRow) -> f32 {
-    let m4 = _mm256_set1_epi8(0xF);
-    let mone = _mm256_set1_epi8(1);
     let mut acc = _mm256_setzero_ps();
     let mut summs = 0f32;
     for (i, b) in w.chunks_exact(KFormat::Q5K.block_bytes()).enumerate() {
         let d = a.d[i] * f16_at(b, 0);
         let dmin = -a.d[i] * f16_at(b, 2);
-        let (scales8, mins8) = scales_mins_k4(&b[4..16]);
-        let mut sm = [0u8; 16];
-        sm[..8].copy_from_slice(&scales8);
-        sm[8..].copy_from_slice(&mins8);
-        // SAFETY: `sm` is sixteen bytes; the load is unaligned.
-        let mins_and_scales = _mm256_cvtepu8_epi16(unsafe { _mm_loadu_si128(sm.as_ptr().cast()) });
-        let q8sums = bsums(a, i);
-        let q8s = _mm_hadd_epi16(
-            _mm256_extracti128_si256::<0>(q8sums),
-            _mm256_extracti128_si256::<1>(q8sums),
-        );
-        let prod = _mm_madd_epi16(_mm256_extracti128_si256::<1>(mins_and_scales), q8s);
+        let (scales, mins) = k4_scales_mins(b);
+        let prod = _mm_madd_epi16(mins, sums32(a, i));
         let zero = _mm_setzero_si128();
         let hs = _mm_hadd_epi32(_mm_hadd_epi32(prod, zero), zero);
         summs = dmin.mul_add(_mm_cvtsi128_si32(hs) as f32, summs);
-        let sc128 = _mm256_extracti128_si256::<0>(mins_and_scales);
-        let scales = _mm256_set_m128i(sc128, sc128);
         let hbits = load32(b, 16);
-        let mut hmask = mone;
         let mut sumi = _mm256_setzero_si256();
         for j in 0..QK_K / 64 {
             let scale_0 = broadcast_i16(scales, 2 * j as i32);
             let scale_1 = broadcast_i16(scales, 2 * j as i32 + 1);
-            let q5bits = load32(b, 48 + 32 * j);
-            let bit = _mm_cvtsi32_si128(2 * j as i32);
-            let q5l_0 = _mm256_and_si256(q5bits, m4);
-            let q5h_0 =
-                _mm256_slli_epi16::<4>(_mm256_srl_epi16(_mm256_and_si256(hbits, hmask), bit));
-            let q5_0 = _mm256_add_epi8(q5l_0, q5h_0);
-            hmask = _mm256_slli_epi16::<1>(hmask);
-            let bit = _mm_cvtsi32_si128(2 * j as i32 + 1);
-            let q5l_1 = _mm256_and_si256(_mm256_srli_epi16::<4>(q5bits), m4);
-            let q5h_1 =
-                _mm256_slli_epi16::<4>(_mm256_srl_epi16(_mm256_and_si256(hbits, hmask), bit));
-            let q5_1 = _mm256_add_epi8(q5l_1, q5h_1);
-            hmask = _mm256_slli_epi16::<1>(hmask);
+            let [q5_0, q5_1] = k4_values(b, Some(hbits), j);
             let q8_0 = load_q8(&a.qs, i * QK_K + 64 * j);
             let q8_1 = load_q8(&a.qs, i * QK_K + 64 * j + 32);
             let p16_0 = _mm256_madd_epi16(scale_0, _mm256_maddubs_epi16(q5_0, q8_0));
@@ -249,8 +302,6 @@ fn q5k_avx2(w: &[u8], a: &Q8KRow) -> f32 {
 
 #[target_feature(enable = "avx2,fma")]
 fn q6k_avx2(w: &[u8], a: &Q8KRow) -> f32 {
-    let m3 = _mm256_set1_epi8(3);
-    let m15 = _mm256_set1_epi8(15);
     let mut acc = _mm256_setzero_ps();
     for (i, b) in w.chunks_exact(KFormat::Q6K.block_bytes()).enumerate() {
         let d = a.d[i] * f16_at(b, 208);
@@ -261,25 +312,8 @@ fn q6k_avx2(w: &[u8], a: &Q8KRow) -> f32 {
         let q8sclsub = _mm256_slli_epi32::<5>(_mm256_madd_epi16(q8sums, scales_16));
         let mut sumi = _mm256_setzero_si256();
         for j in 0..QK_K / 128 {
-            let q4bits1 = load32(b, 64 * j);
-            let q4bits2 = load32(b, 64 * j + 32);
-            let q4bits_h = load32(b, 128 + 32 * j);
-            let q4h_0 = _mm256_slli_epi16::<4>(_mm256_and_si256(q4bits_h, m3));
-            let q4h_1 = _mm256_slli_epi16::<2>(_mm256_and_si256(q4bits_h, _mm256_set1_epi8(12)));
-            let q4h_2 = _mm256_and_si256(q4bits_h, _mm256_set1_epi8(48));
-            let q4h_3 = _mm256_srli_epi16::<2>(_mm256_and_si256(q4bits_h, _mm256_set1_epi8(-64)));
-            let q4_0 = _mm256_or_si256(_mm256_and_si256(q4bits1, m15), q4h_0);
-            let q4_1 = _mm256_or_si256(_mm256_and_si256(q4bits2, m15), q4h_1);
-            let q4_2 = _mm256_or_si256(
-                _mm256_and_si256(_mm256_srli_epi16::<4>(q4bits1), m15),
-                q4h_2,
-            );
-            let q4_3 = _mm256_or_si256(
-                _mm256_and_si256(_mm256_srli_epi16::<4>(q4bits2), m15),
-                q4h_3,
-            );
             let base = i * QK_K + 128 * j;
-            let q4 = [q4_0, q4_1, q4_2, q4_3];
+            let q4 = q6k_values(b, j);
             let mut p = [_mm256_setzero_si256(); 4];
             for (k, (p, q)) in p.iter_mut().zip(q4).enumerate() {
                 let y = load_q8(&a.qs, base + 32 * k);
@@ -297,7 +331,6 @@ fn q6k_avx2(w: &[u8], a: &Q8KRow) -> f32 {
 
 #[target_feature(enable = "avx2,fma")]
 fn q2k_avx2(w: &[u8], a: &Q8KRow) -> f32 {
-    let m3 = _mm256_set1_epi8(3);
     let m4 = _mm_set1_epi8(0xF);
     let mut acc = _mm256_setzero_ps();
     for (i, b) in w.chunks_exact(KFormat::Q2K.block_bytes()).enumerate() {
@@ -310,23 +343,11 @@ fn q2k_avx2(w: &[u8], a: &Q8KRow) -> f32 {
         let mins = _mm256_cvtepi8_epi16(mins8);
         let prod = _mm256_madd_epi16(mins, bsums(a, i));
         acc = _mm256_fmadd_ps(_mm256_set1_ps(dmin), _mm256_cvtepi32_ps(prod), acc);
-        let all_scales = _mm256_cvtepi8_epi16(scales8);
-        let l_scales = _mm256_extracti128_si256::<0>(all_scales);
-        let h_scales = _mm256_extracti128_si256::<1>(all_scales);
-        let scales = [
-            _mm256_set_m128i(l_scales, l_scales),
-            _mm256_set_m128i(h_scales, h_scales),
-        ];
+        let scales = scale_halves(_mm256_cvtepi8_epi16(scales8));
         let mut sumi = _mm256_setzero_si256();
         for (j, scales) in scales.iter().enumerate() {
-            let q2bits = load32(b, 16 + 32 * j);
             let base = i * QK_K + 128 * j;
-            let q = [
-                _mm256_and_si256(q2bits, m3),
-                _mm256_and_si256(_mm256_srli_epi16::<2>(q2bits), m3),
-                _mm256_and_si256(_mm256_srli_epi16::<4>(q2bits), m3),
-                _mm256_and_si256(_mm256_srli_epi16::<6>(q2bits), m3),
-            ];
+            let q = q2k_values(b, j);
             let p: [__m256i; 4] = std::array::from_fn(|k| {
                 let y = load_q8(&a.qs, base + 32 * k);
                 _mm256_madd_epi16(split_i16(*scales, k as i32), _mm256_maddubs_epi16(q[k], y))
@@ -349,13 +370,7 @@ fn q3k_avx2(w: &[u8], a: &Q8KRow) -> f32 {
         let d = a.d[i] * f16_at(b, 108);
         let sc = scales_q3k(&b[96..108]);
         // SAFETY: `sc` is sixteen i16 (32 bytes); the load is unaligned.
-        let all_scales = unsafe { _mm256_loadu_si256(sc.as_ptr().cast()) };
-        let l_scales = _mm256_extracti128_si256::<0>(all_scales);
-        let h_scales = _mm256_extracti128_si256::<1>(all_scales);
-        let scales = [
-            _mm256_set_m128i(l_scales, l_scales),
-            _mm256_set_m128i(h_scales, h_scales),
-        ];
+        let scales = scale_halves(unsafe { _mm256_loadu_si256(sc.as_ptr().cast()) });
         let hbits = load32(b, 0);
         let mut sumi = _mm256_setzero_si256();
         for (j, scales) in scales.iter().enumerate() {

@@ -186,8 +186,7 @@ pub(crate) fn dot_q4k(w: &[u8], a: &Q8KRow) -> f32 {
         let d = a.d[i] * f16_at(b, 0);
         let dmin = -a.d[i] * f16_at(b, 2);
         let (scales, mins) = scales_mins_k4(&b[4..16]);
-        let bs = &a.bsums[i * 16..(i + 1) * 16];
-        let q8s: [i16; 8] = std::array::from_fn(|t| bs[2 * t].wrapping_add(bs[2 * t + 1]));
+        let q8s = &a.sums32[i * 8..(i + 1) * 8];
         for (m, acc_m) in acc_m.iter_mut().enumerate() {
             let prod = i32::from(mins[2 * m]) * i32::from(q8s[2 * m])
                 + i32::from(mins[2 * m + 1]) * i32::from(q8s[2 * m + 1]);
@@ -217,10 +216,8 @@ pub(crate) fn dot_q5k(w: &[u8], a: &Q8KRow) -> f32 {
         let d = a.d[i] * f16_at(b, 0);
         let dmin = -a.d[i] * f16_at(b, 2);
         let (scales, mins) = scales_mins_k4(&b[4..16]);
-        let bs = &a.bsums[i * 16..(i + 1) * 16];
-        let hsum: i32 = (0..8)
-            .map(|t| i32::from(mins[t]) * i32::from(bs[2 * t].wrapping_add(bs[2 * t + 1])))
-            .sum();
+        let q8s = &a.sums32[i * 8..(i + 1) * 8];
+        let hsum: i32 = (0..8).map(|t| i32::from(mins[t]) * i32::from(q8s[t])).sum();
         summs = dmin.mul_add(hsum as f32, summs);
         let (qh, q5, q8) = (&b[16..48], &b[48..176], &a.qs[i * QK_K..(i + 1) * QK_K]);
         let mut sumi = [0i32; 8];

@@ -13,8 +13,11 @@
 
 use std::arch::x86_64::*;
 
-use super::avx2::{broadcast_i16, bsums, hsum, load32, load_q8, split_i16, split_i8};
-use super::{f16_at, scales_mins_k4, scales_q3k, KFormat, Q8KRow, QK_K};
+use super::avx2::{
+    broadcast_i16, bsums, hsum, k4_scales_mins, k4_values, load32, load_q8, q2k_values, q6k_values,
+    scale_halves, split_i16, split_i8, sums32,
+};
+use super::{f16_at, scales_q3k, KFormat, Q8KRow, QK_K};
 use crate::cpu::Features;
 use crate::quant::portable::hsum8;
 use crate::quant::PairTile;
@@ -163,34 +166,14 @@ fn unpack<const F: u8>(
     (stride, offset): (usize, usize),
     u: &mut Scalars,
 ) {
-    let zero = _mm256_setzero_si256();
     let at = |c: usize| c * stride + offset;
     match F {
         Q4 | Q5 => {
-            let (scales8, mins8) = scales_mins_k4(&b[4..16]);
-            let mut sm = [0u8; 16];
-            sm[..8].copy_from_slice(&scales8);
-            sm[8..].copy_from_slice(&mins8);
-            // SAFETY: `sm` is sixteen bytes; the load is unaligned.
-            let ms = _mm256_cvtepu8_epi16(unsafe { _mm_loadu_si128(sm.as_ptr().cast()) });
-            let sc128 = _mm256_extracti128_si256::<0>(ms);
-            let scales = _mm256_set_m128i(sc128, sc128);
-            u.extra = _mm256_zextsi128_si256(_mm256_extracti128_si256::<1>(ms));
-            let m4 = _mm256_set1_epi8(0xF);
-            let hbits = if F == Q5 { load32(b, 16) } else { zero };
-            let (start, mone) = (if F == Q5 { 48 } else { 16 }, _mm256_set1_epi8(1));
+            let (scales, mins) = k4_scales_mins(b);
+            u.extra = _mm256_zextsi128_si256(mins);
+            let hbits = (F == Q5).then(|| load32(b, 16));
             for j in 0..QK_K / 64 {
-                let bits = load32(b, start + 32 * j);
-                let mut lo = _mm256_and_si256(bits, m4);
-                let mut hi = _mm256_and_si256(_mm256_srli_epi16::<4>(bits), m4);
-                if F == Q5 {
-                    let high = |bit: usize| {
-                        let shifted = _mm256_srl_epi16(hbits, _mm_cvtsi32_si128(bit as i32));
-                        _mm256_slli_epi16::<4>(_mm256_and_si256(shifted, mone))
-                    };
-                    lo = _mm256_add_epi8(lo, high(2 * j));
-                    hi = _mm256_add_epi8(hi, high(2 * j + 1));
-                }
+                let [lo, hi] = k4_values(b, hbits, j);
                 q[at(2 * j)] = lo;
                 q[at(2 * j + 1)] = hi;
                 s[at(2 * j)] = broadcast_i16(scales, 2 * j as i32);
@@ -203,20 +186,10 @@ fn unpack<const F: u8>(
             // SAFETY: the super-block's sixteen scale bytes start at 192 of its 210.
             let scales = unsafe { _mm_loadu_si128(b[192..208].as_ptr().cast()) };
             u.extra = _mm256_cvtepi8_epi16(scales);
-            let (m3, m15) = (_mm256_set1_epi8(3), _mm256_set1_epi8(15));
             for j in 0..QK_K / 128 {
-                let bits1 = load32(b, 64 * j);
-                let bits2 = load32(b, 64 * j + 32);
-                let h = load32(b, 128 + 32 * j);
-                let h0 = _mm256_slli_epi16::<4>(_mm256_and_si256(h, m3));
-                let h1 = _mm256_slli_epi16::<2>(_mm256_and_si256(h, _mm256_set1_epi8(12)));
-                let h2 = _mm256_and_si256(h, _mm256_set1_epi8(48));
-                let h3 = _mm256_srli_epi16::<2>(_mm256_and_si256(h, _mm256_set1_epi8(-64)));
-                let high4 = |v: __m256i| _mm256_and_si256(_mm256_srli_epi16::<4>(v), m15);
-                q[at(4 * j)] = _mm256_or_si256(_mm256_and_si256(bits1, m15), h0);
-                q[at(4 * j + 1)] = _mm256_or_si256(_mm256_and_si256(bits2, m15), h1);
-                q[at(4 * j + 2)] = _mm256_or_si256(high4(bits1), h2);
-                q[at(4 * j + 3)] = _mm256_or_si256(high4(bits2), h3);
+                for (k, v) in q6k_values(b, j).into_iter().enumerate() {
+                    q[at(4 * j + k)] = v;
+                }
                 for k in 0..4 {
                     let c = 4 * j + k;
                     s[at(c)] = _mm256_cvtepi8_epi16(split_i8(scales, c as i32));
@@ -230,18 +203,10 @@ fn unpack<const F: u8>(
             let m4 = _mm_set1_epi8(0xF);
             let scales8 = _mm_and_si128(ms, m4);
             u.extra = _mm256_cvtepi8_epi16(_mm_and_si128(_mm_srli_epi16::<4>(ms), m4));
-            let all = _mm256_cvtepi8_epi16(scales8);
-            let (lo, hi) = (
-                _mm256_extracti128_si256::<0>(all),
-                _mm256_extracti128_si256::<1>(all),
-            );
-            let halves = [_mm256_set_m128i(lo, lo), _mm256_set_m128i(hi, hi)];
-            let m3 = _mm256_set1_epi8(3);
+            let halves = scale_halves(_mm256_cvtepi8_epi16(scales8));
             for (j, scales) in halves.iter().enumerate() {
-                let bits = load32(b, 16 + 32 * j);
-                for k in 0..4 {
-                    let shift = _mm_cvtsi32_si128(2 * k as i32);
-                    q[at(4 * j + k)] = _mm256_and_si256(_mm256_srl_epi16(bits, shift), m3);
+                for (k, v) in q2k_values(b, j).into_iter().enumerate() {
+                    q[at(4 * j + k)] = v;
                     s[at(4 * j + k)] = split_i16(*scales, k as i32);
                 }
             }
@@ -251,12 +216,7 @@ fn unpack<const F: u8>(
         _ => {
             let sc = scales_q3k(&b[96..108]);
             // SAFETY: `sc` is sixteen i16 (32 bytes); the load is unaligned.
-            let all = unsafe { _mm256_loadu_si256(sc.as_ptr().cast()) };
-            let (lo, hi) = (
-                _mm256_extracti128_si256::<0>(all),
-                _mm256_extracti128_si256::<1>(all),
-            );
-            let halves = [_mm256_set_m128i(lo, lo), _mm256_set_m128i(hi, hi)];
+            let halves = scale_halves(unsafe { _mm256_loadu_si256(sc.as_ptr().cast()) });
             let (m3, mone) = (_mm256_set1_epi8(3), _mm256_set1_epi8(1));
             let hbits = load32(b, 0);
             for (j, scales) in halves.iter().enumerate() {
@@ -273,15 +233,6 @@ fn unpack<const F: u8>(
             u.d = f16_at(b, 108);
         }
     }
-}
-
-/// The eight 32-byte sums of super-block `i` of `a`.
-#[inline]
-#[target_feature(enable = "avx2")]
-fn sums32(a: &Q8KRow, i: usize) -> __m128i {
-    let s = &a.sums32[8 * i..8 * (i + 1)];
-    // SAFETY: `s` is exactly eight i16 (16 bytes); the load is unaligned.
-    unsafe { _mm_loadu_si128(s.as_ptr().cast()) }
 }
 
 #[inline]

@@ -93,9 +93,23 @@ impl FloatFormat {
     pub(crate) fn activations(self, x: &[f32]) -> Cow<'_, [f32]> {
         match self {
             FloatFormat::F16 => {
-                Cow::Owned(x.iter().map(|&v| half::f16::from_f32(v).to_f32()).collect())
+                let mut out = vec![0.0; x.len()];
+                self.activations_into(x, &mut out);
+                Cow::Owned(out)
             }
             FloatFormat::F32 | FloatFormat::BF16 => Cow::Borrowed(x),
+        }
+    }
+
+    /// [`Self::activations`] written into `out` (as long as `x`).
+    pub(crate) fn activations_into(self, x: &[f32], out: &mut [f32]) {
+        match self {
+            FloatFormat::F16 => {
+                for (o, &v) in out.iter_mut().zip(x) {
+                    *o = half::f16::from_f32(v).to_f32();
+                }
+            }
+            FloatFormat::F32 | FloatFormat::BF16 => out.copy_from_slice(x),
         }
     }
 }
@@ -300,16 +314,18 @@ impl QuantMatrix {
     /// from cache for all of them.
     pub(super) fn matmul_float(&self, format: FloatFormat, x: &[f32], m: usize) -> Buf {
         let kernel = FloatKernel::new(cpu::detect());
-        let x = format.activations(x);
-        // Several rows are read many times over by the tiles: copied to start on a cache
-        // line, so (with a row length a multiple of 16) no vector load straddles two.
-        let mut store = Vec::new();
+        // Several rows are read many times over by the tiles: written (as the format reads
+        // them) to start on a cache line, so (with a row length a multiple of 16) no vector
+        // load straddles two.
+        let (mut store, one);
         let x: &[f32] = if m > 1 {
+            store = Vec::new();
             let dst = aligned(&mut store, x.len());
-            dst.copy_from_slice(&x);
+            format.activations_into(x, dst);
             dst
         } else {
-            &x
+            one = format.activations(x);
+            &one
         };
         let k = self.cols;
         let mut out = Buf::take(m * self.rows);

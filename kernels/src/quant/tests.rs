@@ -54,6 +54,28 @@ fn q4_1_matmul_approximates_the_float_product_and_is_batch_invariant() {
     assert_eq!(alone[..], out[2 * rows..]);
 }
 
+/// For each batch size `m`, `mat`'s product of `m` activation rows (a fixed pattern) gives
+/// every row `want(row)` bit for bit.
+fn assert_batches(
+    mat: &QuantMatrix,
+    sizes: &[usize],
+    what: &str,
+    want: impl Fn(&[f32]) -> Vec<f32>,
+) {
+    let (rows, cols) = (mat.rows(), mat.cols());
+    for &m in sizes {
+        let x: Vec<f32> = (0..m * cols)
+            .map(|i| ((i * 11) % 19) as f32 / 19.0 - 0.45)
+            .collect();
+        let out = mat.matmul(&x);
+        for (i, row) in x.chunks_exact(cols).enumerate() {
+            let bits = |v: &[f32]| v.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+            let got = bits(&out[i * rows..(i + 1) * rows]);
+            assert_eq!(got, bits(&want(row)), "{what}: batch of {m}, row {i}");
+        }
+    }
+}
+
 #[test]
 fn both_batch_splits_give_each_row_exactly_its_single_row_result() {
     // 38 rows: quads, a partial task and rows outside any quad.
@@ -68,26 +90,14 @@ fn both_batch_splits_give_each_row_exactly_its_single_row_result() {
     let mat = QuantMatrix::from_gguf(BlockFormat::Q4_1.into(), rows, cols, &encode_q4_1(&w))
         .expect("sizes");
     // Batches on either side of WEIGHT_PARALLEL_MAX_ROWS.
-    for m in [
+    let sizes = [
         2,
         7,
         WEIGHT_PARALLEL_MAX_ROWS,
         WEIGHT_PARALLEL_MAX_ROWS + 1,
         70,
-    ] {
-        let x: Vec<f32> = (0..m * cols)
-            .map(|i| ((i * 11) % 19) as f32 / 19.0 - 0.45)
-            .collect();
-        let out = mat.matmul(&x);
-        for i in 0..m {
-            let alone = mat.matmul(&x[i * cols..(i + 1) * cols]);
-            assert_eq!(
-                alone[..],
-                out[i * rows..(i + 1) * rows],
-                "batch {m}, row {i}"
-            );
-        }
-    }
+    ];
+    assert_batches(&mat, &sizes, "Q4_1", |x| mat.matmul(x).to_vec());
 }
 
 #[test]
@@ -661,31 +671,22 @@ fn float_matrices_give_every_row_its_single_row_result_in_any_batch() {
         let (bytes, _) = float_row(format, rows * cols, 5);
         let mat =
             QuantMatrix::from_gguf(WeightFormat::Float(format), rows, cols, &bytes).expect("sizes");
-        for m in [
+        let sizes = [
             1,
             2,
             5,
             WEIGHT_PARALLEL_MAX_ROWS,
             WEIGHT_PARALLEL_MAX_ROWS + 1,
             70,
-        ] {
-            let x: Vec<f32> = (0..m * cols)
-                .map(|i| ((i * 11) % 19) as f32 / 19.0 - 0.45)
-                .collect();
-            let out = mat.matmul(&x);
-            let acts = format.activations(&x);
-            for i in 0..m {
-                for r in 0..rows {
-                    let w = &bytes[r * cols * format.bytes()..(r + 1) * cols * format.bytes()];
-                    let want = float::dot_portable(format, w, &acts[i * cols..(i + 1) * cols]);
-                    assert_eq!(
-                        out[i * rows + r].to_bits(),
-                        want.to_bits(),
-                        "{format:?} batch of {m}: row {i}, output {r}"
-                    );
-                }
-            }
-        }
+        ];
+        let row_bytes = cols * format.bytes();
+        assert_batches(&mat, &sizes, &format!("{format:?}"), |x| {
+            let acts = format.activations(x);
+            bytes
+                .chunks_exact(row_bytes)
+                .map(|w| float::dot_portable(format, w, &acts))
+                .collect()
+        });
     }
 }
 
@@ -896,21 +897,8 @@ fn k_quant_products_give_every_row_its_single_row_result_in_any_batch() {
     for (format, name) in ggml::K_FORMATS {
         let w = kquant_rows(format, rows, cols, 5);
         let mat = QuantMatrix::from_gguf(WeightFormat::K(format), rows, cols, &w).expect("sizes");
-        for m in [2, 7, WEIGHT_PARALLEL_MAX_ROWS + 1, 70] {
-            let x: Vec<f32> = (0..m * cols)
-                .map(|i| ((i * 11) % 19) as f32 / 19.0 - 0.45)
-                .collect();
-            let out = mat.matmul(&x);
-            for i in 0..m {
-                let alone = mat.matmul(&x[i * cols..(i + 1) * cols]);
-                let want: Vec<u32> = alone.iter().map(|v| v.to_bits()).collect();
-                let got: Vec<u32> = out[i * rows..(i + 1) * rows]
-                    .iter()
-                    .map(|v| v.to_bits())
-                    .collect();
-                assert_eq!(got, want, "{name} batch {m}, row {i}");
-            }
-        }
+        let sizes = [2, 7, WEIGHT_PARALLEL_MAX_ROWS + 1, 70];
+        assert_batches(&mat, &sizes, name, |x| mat.matmul(x).to_vec());
     }
 }
 
@@ -935,22 +923,10 @@ fn q5_products_give_every_row_its_dot_product_in_any_batch() {
         }
         let mat = QuantMatrix::from_gguf(format, rows, cols, &w).expect("sizes");
         let dot = if signed { q5::dot_q5_0 } else { q5::dot_q5_1 };
-        for m in [2, 7, WEIGHT_PARALLEL_MAX_ROWS + 1, 70] {
-            let x: Vec<f32> = (0..m * cols)
-                .map(|i| ((i * 11) % 19) as f32 / 19.0 - 0.45)
-                .collect();
-            let out = mat.matmul(&x);
-            for i in 0..m {
-                let a = quantize_row(&x[i * cols..(i + 1) * cols], !signed);
-                let want: Vec<u32> = (0..rows)
-                    .map(|r| dot(&w[r * 3 * bytes..(r + 1) * 3 * bytes], &a).to_bits())
-                    .collect();
-                let got: Vec<u32> = out[i * rows..(i + 1) * rows]
-                    .iter()
-                    .map(|v| v.to_bits())
-                    .collect();
-                assert_eq!(got, want, "{format:?} batch {m}, row {i}");
-            }
-        }
+        let sizes = [2, 7, WEIGHT_PARALLEL_MAX_ROWS + 1, 70];
+        assert_batches(&mat, &sizes, &format!("{format:?}"), |x| {
+            let a = quantize_row(x, !signed);
+            w.chunks_exact(3 * bytes).map(|r| dot(r, &a)).collect()
+        });
     }
 }

@@ -38,6 +38,10 @@ pub enum Error {
     /// until the process restarts.
     #[error("the engine has stopped; the server must be restarted")]
     EngineStopped,
+    /// A model-parallel group could not form, or a rank or its connection was lost: the
+    /// message names the rank and what happened.
+    #[error("model-parallel group: {0}")]
+    Group(String),
     /// The HTTP server could not start or stopped with an error.
     #[error("server: {0}")]
     Server(String),

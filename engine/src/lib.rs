@@ -9,6 +9,7 @@ pub mod engine;
 pub mod error;
 pub mod kv;
 pub mod model;
+pub mod parallel;
 pub mod reference;
 pub mod sampling;
 pub mod scheduler;

@@ -19,6 +19,7 @@ const IDS: [u32; 12] = [10, 20, 30, 40, 50, 104, 101, 108, 108, 111, 32, 119];
 fn quantized(path: &Path, name: &str) -> Llama {
     let options = LoadOptions {
         quantization: Some(parse_quantization(name).expect("a CPU format")),
+        ..Default::default()
     };
     load_model_with(path, &Device::Cpu, &options).expect("loads quantized")
 }

@@ -20,7 +20,8 @@ pub use stream::{Collected, Collector, Event, Finish, RequestStream};
 use crate::error::{ConfigError, Error, RequestError, Result};
 use crate::kv::budget::{self, CachePlan, CacheRequest};
 use crate::kv::{KvDtype, KvElementType};
-use crate::model::{LoadedModel, ModelConfig};
+use crate::model::{Llama, LoadedModel, ModelConfig};
+use crate::parallel::{Pipeline, StageStats};
 use crate::sampling::SamplingParams;
 use step::{EngineLoop, Request};
 
@@ -45,7 +46,7 @@ pub struct EngineConfig {
     pub kv_dtype: KvDtype,
     /// Devices a model is split across within a node; only 1 is built so far.
     pub tensor_parallel_size: usize,
-    /// Pipeline stages; only 1 is built so far.
+    /// Pipeline stages, each its own process holding a contiguous range of layers.
     pub pipeline_parallel_size: usize,
     /// Most requests accepted and not yet started at any instant; a submission beyond it
     /// is refused with [`Error::QueueFull`].
@@ -99,21 +100,22 @@ impl EngineConfig {
                     .into(),
             });
         }
-        for (setting, v) in [
-            ("tensor_parallel_size", self.tensor_parallel_size),
-            ("pipeline_parallel_size", self.pipeline_parallel_size),
-        ] {
-            if v != 1 {
-                return Err(ConfigError::Unsupported {
-                    setting,
-                    value: v.to_string(),
-                    reason: format!(
-                        "model parallelism is not built yet; this engine runs a model on one \
-                         device, so use --{} 1",
-                        setting.replace('_', "-")
-                    ),
-                });
-            }
+        if self.tensor_parallel_size != 1 {
+            return Err(ConfigError::Unsupported {
+                setting: "tensor_parallel_size",
+                value: self.tensor_parallel_size.to_string(),
+                reason: "tensor parallelism is not built yet; split the model into pipeline \
+                         stages with --pipeline-parallel-size instead, or use \
+                         --tensor-parallel-size 1"
+                    .into(),
+            });
+        }
+        if !(1..=model.num_layers.max(1)).contains(&self.pipeline_parallel_size) {
+            return Err(ConfigError::OutOfRange {
+                setting: "pipeline_parallel_size",
+                range: format!("from 1 to the model's {} layers", model.num_layers),
+                got: self.pipeline_parallel_size.to_string(),
+            });
         }
         let max_model_len = self.max_model_len.unwrap_or(model.max_position_embeddings);
         if max_model_len > model.max_position_embeddings {
@@ -201,6 +203,8 @@ struct Shared {
     /// One permit per request that may wait: taken at submission, given back by the request
     /// when it is first scheduled (or dropped), so the bound holds at every instant.
     admission: Arc<Semaphore>,
+    /// Each pipeline stage's counters, when the model runs as a group.
+    stages: Option<Arc<Mutex<Vec<StageStats>>>>,
 }
 
 /// Clears [`Shared::running`] when the engine thread ends, however it ends: dropped on return
@@ -242,8 +246,38 @@ impl EngineHandle {
         config: EngineConfig,
         observer: Option<Box<dyn StepObserver>>,
     ) -> Result<Self> {
+        Self::start_with(model, config, observer, None)
+    }
+
+    /// Starts the engine as the leader of a pipeline group: `model` holds the first stage,
+    /// `pipeline` reaches the others, and the cache holds as many blocks as the smallest
+    /// stage's budget allows (each stage's is logged, and which one bounds the group).
+    pub fn start_pipeline(
+        model: LoadedModel,
+        config: EngineConfig,
+        pipeline: Pipeline,
+    ) -> Result<Self> {
+        Self::start_with(model, config, None, Some(pipeline))
+    }
+
+    fn start_with(
+        model: LoadedModel,
+        config: EngineConfig,
+        observer: Option<Box<dyn StepObserver>>,
+        pipeline: Option<Pipeline>,
+    ) -> Result<Self> {
         let c = model.model.config().clone();
         let max_model_len = config.validate(&c)?;
+        if config.pipeline_parallel_size > 1 && pipeline.is_none() {
+            return Err(ConfigError::Unsupported {
+                setting: "pipeline_parallel_size",
+                value: config.pipeline_parallel_size.to_string(),
+                reason: "pipeline stages run as a group of processes, which \
+                         `ferrite-engine serve` starts; this command runs the model in one"
+                    .into(),
+            }
+            .into());
+        }
         if let Some(message) = ferrite_kernels::cpu::tier_cap_error() {
             return Err(ConfigError::Input {
                 what: ferrite_kernels::cpu::TIER_CAP_VAR.into(),
@@ -262,7 +296,11 @@ impl EngineHandle {
             );
         }
         let kv = config.kv_dtype.resolve(&model.model);
-        let plan = plan_cache(&model, &config, kv, max_model_len)?;
+        let mut plan = plan_cache(&model.model, &config, kv, max_model_len)?;
+        if let Some(p) = &pipeline {
+            plan = group_plan(plan, &model.model, p);
+        }
+        let stages = pipeline.as_ref().map(Pipeline::stats);
         let info = EngineInfo {
             cache: plan,
             max_model_len,
@@ -271,8 +309,8 @@ impl EngineHandle {
             prefix_caching: config.enable_prefix_caching,
             max_waiting_requests: config.max_waiting_requests,
         };
-        let (handle, _thread) = Self::spawn(info, move |rx, shared| {
-            EngineLoop::new(model, &config, kv, shared, observer).run(rx)
+        let (handle, _thread) = Self::spawn(info, stages, move |rx, shared| {
+            EngineLoop::new(model, &config, kv, shared, observer, pipeline).run(rx)
         })?;
         Ok(handle)
     }
@@ -281,6 +319,7 @@ impl EngineHandle {
     /// the running flag is cleared however `body` ends.
     fn spawn(
         info: EngineInfo,
+        stages: Option<Arc<Mutex<Vec<StageStats>>>>,
         body: impl FnOnce(mpsc::Receiver<Request>, Arc<Shared>) + Send + 'static,
     ) -> Result<(Self, std::thread::JoinHandle<()>)> {
         let shared = Arc::new(Shared {
@@ -292,6 +331,7 @@ impl EngineHandle {
             info,
             next_id: AtomicU64::new(0),
             running: AtomicBool::new(true),
+            stages,
         });
         let (tx, rx) = mpsc::channel();
         let flag = RunningFlag(Arc::clone(&shared));
@@ -308,6 +348,16 @@ impl EngineHandle {
     /// Facts about the engine (cache size, limits).
     pub fn info(&self) -> &EngineInfo {
         &self.shared.info
+    }
+
+    /// Each pipeline stage's counters (the leader's own first), when the model runs as a
+    /// group; empty otherwise.
+    pub fn stage_stats(&self) -> Vec<StageStats> {
+        self.shared
+            .stages
+            .as_ref()
+            .and_then(|s| s.lock().ok().map(|s| s.clone()))
+            .unwrap_or_default()
     }
 
     /// A snapshot of the engine's gauges and counters.
@@ -431,7 +481,7 @@ impl EngineHandle {
             prefix_caching: false,
             max_waiting_requests: 4,
         };
-        Self::spawn(info, |rx, _| body(rx)).expect("the thread starts")
+        Self::spawn(info, None, |rx, _| body(rx)).expect("the thread starts")
     }
 }
 
@@ -442,25 +492,26 @@ fn visible_gpus() -> Option<String> {
         .filter(|v| !matches!(v.trim(), "" | "void" | "none"))
 }
 
-/// Sizes the KV cache of `model` under `config` for elements of `kv`, and logs the result.
-fn plan_cache(
-    model: &LoadedModel,
+/// Sizes the KV cache of `model` (the whole model, or the pipeline stage it holds) under
+/// `config` for elements of `kv`, and logs the result.
+pub fn plan_cache(
+    model: &Llama,
     config: &EngineConfig,
     kv: KvElementType,
     max_model_len: usize,
 ) -> Result<CachePlan> {
-    let c = model.model.config();
+    let c = model.config();
     let plan = budget::plan(
         &CacheRequest {
             utilization: config.gpu_memory_utilization,
             kv_cache_memory: config.kv_cache_memory,
-            weight_bytes: model.model.resident_weight_bytes() as u64,
+            weight_bytes: model.resident_weight_bytes() as u64,
             activation_bytes: budget::activation_bytes(
                 c,
                 config.max_num_batched_tokens,
                 config.max_num_seqs,
             ),
-            bytes_per_token: budget::bytes_per_token(c, kv.bytes()),
+            bytes_per_token: budget::bytes_per_token(c, model.part().layers.len(), kv.bytes()),
             block_size: config.block_size,
             max_model_len,
         },
@@ -476,6 +527,48 @@ fn plan_cache(
         plan.explanation
     );
     Ok(plan)
+}
+
+/// The group's cache: as many blocks as the smallest stage's budget allows, with every
+/// stage's part and budget logged and the stage that bounds the group named.
+fn group_plan(mut own: CachePlan, model: &Llama, pipeline: &Pipeline) -> CachePlan {
+    let part = model.part();
+    let mut stages = vec![(
+        0usize,
+        part.layers.clone(),
+        model.resident_weight_bytes() as u64,
+        own.num_blocks as u64,
+        own.explanation.clone(),
+    )];
+    stages.extend(pipeline.reports().map(|(rank, r)| {
+        (
+            rank,
+            r.first_layer as usize..r.end_layer as usize,
+            r.weight_bytes,
+            r.kv_blocks,
+            r.explanation.clone(),
+        )
+    }));
+    let mib = |b: u64| b as f64 / (1 << 20) as f64;
+    for (rank, layers, weights, blocks, why) in &stages {
+        tracing::info!(
+            "pipeline stage {rank}: layers {}..{}, {:.1} MiB of weights, {blocks} KV blocks \
+             ({why})",
+            layers.start,
+            layers.end,
+            mib(*weights)
+        );
+    }
+    if let Some((rank, _, _, blocks, why)) = stages.iter().min_by_key(|s| s.3) {
+        tracing::info!(
+            "the group's KV cache holds {blocks} blocks of {} tokens, bounded by stage {rank}",
+            own.block_size
+        );
+        own.kv_bytes = own.kv_bytes / own.num_blocks.max(1) as u64 * *blocks;
+        own.num_blocks = *blocks as usize;
+        own.explanation = format!("the smallest stage's budget, stage {rank}: {why}");
+    }
+    own
 }
 
 #[cfg(test)]

@@ -18,6 +18,7 @@ use crate::kv::cache::{new_paged, PagedCache};
 use crate::kv::{BlockId, BlockPool, KvElementType};
 use crate::model::llama::{Batch, Logits, SeqSlice};
 use crate::model::LoadedModel;
+use crate::parallel::Pipeline;
 use crate::sampling::SamplingParams;
 use crate::scheduler::{Scheduled, Scheduler, SchedulerConfig};
 use crate::sequence::{FinishReason, SequenceState, TokenOutput};
@@ -125,6 +126,8 @@ pub(super) struct EngineLoop {
     sched: Scheduler<Sink>,
     shared: Arc<Shared>,
     observer: Option<Box<dyn StepObserver>>,
+    /// The other stages, when the model runs as a pipeline group.
+    pipeline: Option<Pipeline>,
 }
 
 impl EngineLoop {
@@ -134,6 +137,7 @@ impl EngineLoop {
         kv: KvElementType,
         shared: Arc<Shared>,
         observer: Option<Box<dyn StepObserver>>,
+        pipeline: Option<Pipeline>,
     ) -> Self {
         let plan = &shared.info.cache;
         let pool = BlockPool::new(plan.num_blocks, plan.block_size);
@@ -148,6 +152,7 @@ impl EngineLoop {
             sched: Scheduler::new(sched, pool),
             shared,
             observer,
+            pipeline,
         }
     }
 
@@ -181,6 +186,12 @@ impl EngineLoop {
                     }
                 }
                 Ok(false) => {}
+                Err(e @ Error::Group(_)) => {
+                    // A stage is gone: no step can run again. Ending the thread ends every
+                    // request's stream with an error and turns `/health` to 500.
+                    tracing::error!("{e}; stopping the engine");
+                    return;
+                }
                 Err(e) => {
                     tracing::error!("engine step failed: {e}");
                     // Nothing can be computed reliably any more: end every request with abort.
@@ -280,13 +291,19 @@ impl EngineLoop {
 
     /// One forward pass over the step's tokens (the block tables go to the cache).
     fn execute(&mut self, input: &mut StepInput) -> Result<Logits> {
-        self.cache.set_tables(std::mem::take(&mut input.tables));
         let batch = Batch {
             tokens: &input.tokens,
             positions: &input.positions,
             seqs: &input.seqs,
         };
         let (model, cache) = (&self.model.model, &mut self.cache);
+        if let Some(pipeline) = self.pipeline.as_mut() {
+            cache.set_tables(input.tables.clone());
+            // Not inside the thread pool: the pipeline waits on other stages between its own
+            // layers, and a pool thread held while waiting is one no stage can compute on.
+            return pipeline.forward(model, &batch, &input.tables, cache.as_mut(), &input.rows);
+        }
+        cache.set_tables(std::mem::take(&mut input.tables));
         // One injection into the thread pool per step; its workers run the whole forward.
         rayon::scope(|_| model.forward(&batch, cache.as_mut(), &input.rows))
     }

@@ -29,9 +29,10 @@ pub fn device_memory() -> u64 {
     }
 }
 
-/// Bytes of KV one token takes in every layer (keys and values).
-pub fn bytes_per_token(config: &ModelConfig, element_bytes: usize) -> u64 {
-    (2 * config.num_layers * config.num_kv_heads * config.head_dim * element_bytes) as u64
+/// Bytes of KV one token takes in `layers` layers (keys and values): every layer of the
+/// model, or a pipeline stage's.
+pub fn bytes_per_token(config: &ModelConfig, layers: usize, element_bytes: usize) -> u64 {
+    (2 * layers * config.num_kv_heads * config.head_dim * element_bytes) as u64
 }
 
 /// Upper estimate of the activation memory of one step of `tokens` tokens from up to

@@ -101,19 +101,14 @@ impl GgufFile {
     }
 }
 
-impl WeightSource for GgufFile {
-    fn device(&self) -> &Device {
-        &self.device
-    }
-
-    fn is_f32(&self) -> bool {
-        self.content
-            .tensor_infos
-            .values()
-            .all(|t| t.ggml_dtype == GgmlDType::F32)
-    }
-
-    fn matmul(&mut self, name: WeightName, (r, c): (usize, usize)) -> Result<QuantMatrix> {
+impl GgufFile {
+    /// The stored type of the `[r, c]` matrix `name` and the format it is held in, after
+    /// checking its shape.
+    fn matrix_info(
+        &self,
+        name: WeightName,
+        (r, c): (usize, usize),
+    ) -> Result<(GgmlDType, WeightFormat)> {
         let key = name.gguf();
         let Some(info) = self.content.tensor_infos.get(&key) else {
             return Err(Error::model(&self.path, format!("missing tensor `{key}`")));
@@ -150,6 +145,30 @@ impl WeightSource for GgufFile {
                 ))
             }
         };
+        Ok((dtype, format))
+    }
+}
+
+impl WeightSource for GgufFile {
+    fn device(&self) -> &Device {
+        &self.device
+    }
+
+    fn is_f32(&self) -> bool {
+        self.content
+            .tensor_infos
+            .values()
+            .all(|t| t.ggml_dtype == GgmlDType::F32)
+    }
+
+    fn matrix_format(&self, name: WeightName, shape: (usize, usize)) -> Result<WeightFormat> {
+        self.matrix_info(name, shape).map(|(_, format)| format)
+    }
+
+    fn matmul(&mut self, name: WeightName, (r, c): (usize, usize)) -> Result<QuantMatrix> {
+        let (dtype, format) = self.matrix_info(name, (r, c))?;
+        let key = name.gguf();
+        let info = &self.content.tensor_infos[&key];
         // Read straight into the matrix's own buffer: one copy of the bytes, no more.
         let len = r * c / dtype.block_size() * dtype.type_size();
         let mut bytes = vec![0u8; len];

@@ -4,7 +4,9 @@
 //! (`[total_tokens, hidden]`, no padding); matmuls see every token at once and attention
 //! runs per sequence through a [`KvCache`], which owns where K/V live between steps. It is
 //! three stages — [`Llama::embed`], [`Llama::run_layers`] over any range of [`Block`]s,
-//! [`Llama::head`] — so a pipeline stage can run just its own layers.
+//! [`Llama::head`] — and a pipeline stage loads ([`Llama::load_part`]) and runs only its
+//! own: a contiguous range of layers, with the embedding on the first stage and the final
+//! norm and vocabulary projection on the last.
 
 use candle_core::{DType, Device, Tensor};
 use rayon::prelude::*;
@@ -292,6 +294,16 @@ impl Logits {
         self.values.chunks_exact_mut(self.vocab.max(1))
     }
 
+    /// Logits of `values.len() / vocab` rows received whole (from a pipeline's last stage).
+    pub fn from_values(values: Buf, vocab: usize) -> Self {
+        Logits { values, vocab }
+    }
+
+    /// The rows' values, row after row.
+    pub fn values(&self) -> &[f32] {
+        &self.values
+    }
+
     /// Every row as its own vector.
     pub fn to_vec2(&self) -> Vec<Vec<f32>> {
         self.values
@@ -305,11 +317,13 @@ impl Logits {
 #[derive(Debug, Clone)]
 pub struct Llama {
     config: ModelConfig,
-    embed: Embedding,
+    /// The layers, embedding and head this instance holds.
+    part: ModelPart,
+    embed: Option<Embedding>,
+    /// Layers `part.layers`, in order.
     blocks: Vec<Block>,
-    /// The final RMSNorm's weights.
-    norm: Vec<f32>,
-    lm_head: Linear,
+    /// The final RMSNorm's weights and the vocabulary projection.
+    head: Option<(Vec<f32>, Linear)>,
     cos_sin: Vec<Vec<(f32, f32)>>,
     device: Device,
     weight_bytes: usize,
@@ -318,10 +332,49 @@ pub struct Llama {
     kv_f16: bool,
 }
 
+/// Which parts of a model one process holds: a pipeline stage's layers, with the embedding
+/// on the first stage and the final norm and vocabulary projection on the last.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ModelPart {
+    /// The layers held, a contiguous range.
+    pub layers: std::ops::Range<usize>,
+    /// Whether the token embedding is held.
+    pub embed: bool,
+    /// Whether the final norm and the vocabulary projection are held.
+    pub head: bool,
+}
+
+impl ModelPart {
+    /// Every part of a model of `layers` layers.
+    pub fn whole(layers: usize) -> Self {
+        ModelPart {
+            layers: 0..layers,
+            embed: true,
+            head: true,
+        }
+    }
+}
+
 impl Llama {
     /// Builds the model from named weights, checking each shape against `config`.
     pub fn load(config: ModelConfig, src: &mut dyn WeightSource) -> Result<Self> {
+        let whole = ModelPart::whole(config.num_layers);
+        Self::load_part(config, src, whole)
+    }
+
+    /// Builds only `part` of the model (a pipeline stage): no other layer's weights are read.
+    pub fn load_part(
+        config: ModelConfig,
+        src: &mut dyn WeightSource,
+        part: ModelPart,
+    ) -> Result<Self> {
         let c = &config;
+        if part.layers.end > c.num_layers || part.layers.is_empty() && c.num_layers > 0 {
+            return Err(Error::internal(format!(
+                "layers {:?} of a model with {} layers",
+                part.layers, c.num_layers
+            )));
+        }
         let (h, hd) = (c.hidden_size, c.head_dim);
         let mut bytes = 0usize;
         let mut linear = |src: &mut dyn WeightSource, name: WeightName, out: usize, inp: usize| {
@@ -341,8 +394,8 @@ impl Llama {
             };
             Ok::<_, Error>(Linear { weight, bias })
         };
-        let mut blocks = Vec::with_capacity(c.num_layers);
-        for l in 0..c.num_layers {
+        let mut blocks = Vec::with_capacity(part.layers.len());
+        for l in part.layers.clone() {
             blocks.push(Block {
                 attn_norm: to_f32_vec(&src.vector(WeightName::AttnNorm(l), h)?)?,
                 qkv: Fanout::new(vec![
@@ -365,16 +418,20 @@ impl Llama {
         } else {
             WeightName::Output
         };
-        let mut lm_head = Linear {
-            weight: src.matmul(head_name, (c.vocab_size, h))?,
-            bias: None,
+        let mut lm_head = match part.head {
+            true => Some(Linear {
+                weight: src.matmul(head_name, (c.vocab_size, h))?,
+                bias: None,
+            }),
+            false => None,
         };
-        bytes += lm_head.weight.gguf_bytes();
-        // Untied, the embedding is a matrix of its own, packed with the others below; tied,
-        // it is the output projection's.
-        let mut embed_weight = match tied {
-            true => None,
-            false => Some(src.matmul(WeightName::Embed, (c.vocab_size, h))?),
+        bytes += lm_head.as_ref().map_or(0, |l| l.weight.gguf_bytes());
+        // Untied, or on a stage without the head, the embedding is a matrix of its own,
+        // packed with the others below; tied beside the head, it is the output projection's.
+        let shares_head = tied && lm_head.is_some();
+        let mut embed_weight = match part.embed && !shares_head {
+            true => Some(src.matmul(WeightName::Embed, (c.vocab_size, h))?),
+            false => None,
         };
         let mut quant: Vec<&mut QuantMatrix> = Vec::new();
         for b in &mut blocks {
@@ -389,22 +446,34 @@ impl Llama {
             quant.push(&mut b.o.weight);
             quant.push(&mut b.down.weight);
         }
-        quant.push(&mut lm_head.weight);
+        quant.extend(lm_head.as_mut().map(|l| &mut l.weight));
         quant.extend(embed_weight.as_mut());
         QuantMatrix::share_huge_pages(&mut quant);
-        let embed = Embedding(embed_weight.unwrap_or_else(|| lm_head.weight.clone()));
+        let embed = match (part.embed, embed_weight, &lm_head) {
+            (false, _, _) => None,
+            (true, Some(w), _) => Some(Embedding(w)),
+            (true, None, Some(head)) => Some(Embedding(head.weight.clone())),
+            (true, None, None) => None,
+        };
         // Memory of its own unless it shares the (counted) output projection's.
-        let resident_bytes = bytes + if tied { 0 } else { embed.0.gguf_bytes() };
-        let norm = to_f32_vec(&src.vector(WeightName::Norm, h)?)?;
+        let resident_bytes = bytes
+            + match (&embed, shares_head) {
+                (Some(e), false) => e.0.gguf_bytes(),
+                _ => 0,
+            };
+        let head = match lm_head {
+            Some(l) => Some((to_f32_vec(&src.vector(WeightName::Norm, h)?)?, l)),
+            None => None,
+        };
         let device = src.device().clone();
         let kv_f16 = !src.is_f32();
         let cos_sin = rope_tables(c);
         Ok(Llama {
             config,
+            part,
             embed,
             blocks,
-            norm,
-            lm_head,
+            head,
             cos_sin,
             device,
             weight_bytes: bytes,
@@ -416,6 +485,11 @@ impl Llama {
     /// The hyper-parameters this model was built with.
     pub fn config(&self) -> &ModelConfig {
         &self.config
+    }
+
+    /// The layers, embedding and head this instance holds.
+    pub fn part(&self) -> &ModelPart {
+        &self.part
     }
 
     /// The device the weights live on.
@@ -503,7 +577,7 @@ impl Llama {
         rows: &[u32],
     ) -> Result<Logits> {
         let mut x = self.embed(batch)?;
-        self.run_layers(0..self.blocks.len(), batch, cache, &mut x)?;
+        self.run_layers(self.part.layers.clone(), batch, cache, &mut x)?;
         self.head(x, rows)
     }
 
@@ -512,7 +586,11 @@ impl Llama {
     pub fn embed(&self, batch: &Batch<'_>) -> Result<Buf> {
         let c = &self.config;
         check_batch(batch, c.max_position_embeddings, c.vocab_size)?;
-        Ok(self.embed.rows(batch.tokens))
+        let embed = self
+            .embed
+            .as_ref()
+            .ok_or_else(|| Error::internal("this pipeline stage holds no embedding"))?;
+        Ok(embed.rows(batch.tokens))
     }
 
     /// Runs layers `layers` on the residual stream `x` in place.
@@ -523,10 +601,16 @@ impl Llama {
         cache: &mut dyn KvCache,
         x: &mut [f32],
     ) -> Result<()> {
-        let blocks = self.blocks.get(layers.clone()).ok_or_else(|| {
+        let first = self.part.layers.start;
+        let held = layers
+            .start
+            .checked_sub(first)
+            .zip(layers.end.checked_sub(first))
+            .and_then(|(a, b)| self.blocks.get(a..b));
+        let blocks = held.ok_or_else(|| {
             Error::internal(format!(
-                "layers {layers:?} of a model with {} layers",
-                self.blocks.len()
+                "layers {layers:?} of a part holding layers {:?}",
+                self.part.layers
             ))
         })?;
         for (block, layer) in blocks.iter().zip(layers) {
@@ -539,6 +623,10 @@ impl Llama {
     pub fn head(&self, x: Buf, rows: &[u32]) -> Result<Logits> {
         let c = &self.config;
         let (h, vocab) = (c.hidden_size, c.vocab_size);
+        let (norm, lm_head) = self
+            .head
+            .as_ref()
+            .ok_or_else(|| Error::internal("this pipeline stage holds no vocabulary projection"))?;
         if rows.is_empty() {
             return Ok(Logits {
                 values: Buf::default(),
@@ -554,10 +642,10 @@ impl Llama {
                 .copied()
                 .collect()
         };
-        let normed = rms_norm(&x, h, &self.norm, c.rms_norm_eps as f32);
+        let normed = rms_norm(&x, h, norm, c.rms_norm_eps as f32);
         drop(x);
         Ok(Logits {
-            values: self.lm_head.forward(&normed),
+            values: lm_head.forward(&normed),
             vocab,
         })
     }
@@ -568,10 +656,11 @@ impl Llama {
         self.blocks
             .iter()
             .flat_map(|b| b.products(&self.config))
-            .chain(std::iter::once(Product::linear(
-                &self.lm_head,
-                self.config.hidden_size,
-            )))
+            .chain(
+                self.head
+                    .iter()
+                    .map(|(_, l)| Product::linear(l, self.config.hidden_size)),
+            )
     }
 }
 

@@ -4,6 +4,7 @@ pub mod config;
 pub mod gguf;
 pub mod llama;
 pub mod safetensors;
+pub mod stages;
 pub mod weights;
 
 use std::path::{Path, PathBuf};
@@ -11,7 +12,7 @@ use std::path::{Path, PathBuf};
 use candle_core::Device;
 
 pub use config::{Architecture, ModelConfig, RopeStyle};
-pub use llama::Llama;
+pub use llama::{Llama, ModelPart};
 
 use ferrite_kernels::quant::{KFormat, WeightFormat};
 
@@ -28,6 +29,12 @@ pub struct LoadedModel {
     pub tokenizer: Tokenizer,
     /// The file or directory it was loaded from.
     pub path: PathBuf,
+    /// SHA-256 of the model's metadata (hyper-parameters, every matrix's name, shape and
+    /// format as held): ranks of a group must agree on it.
+    pub fingerprint: [u8; 32],
+    /// Every pipeline stage's part when it was loaded as one stage of several, else the
+    /// whole model alone.
+    pub stages: Vec<ModelPart>,
 }
 
 /// How to load a model.
@@ -36,6 +43,8 @@ pub struct LoadOptions {
     /// Quantize the floating-point matrices to this format as they are read
     /// (`--quantization`); matrices the file stores quantized are kept.
     pub quantization: Option<WeightFormat>,
+    /// Load only one pipeline stage's part: `(stage, stages)`.
+    pub stage: Option<(usize, usize)>,
 }
 
 /// `--quantization` names and the formats they quantize to, in the order they are listed.
@@ -92,8 +101,18 @@ pub fn load_model(path: &Path, device: &Device) -> Result<Llama> {
 
 /// [`load_model`] with `options`.
 pub fn load_model_with(path: &Path, device: &Device, options: &LoadOptions) -> Result<Llama> {
-    let (model, _) = load_parts(path, device, options, false)?;
-    Ok(model)
+    Ok(load_parts(path, device, options, false)?.model)
+}
+
+/// Loads only the network part `options.stage` names (no tokenizer), with the model's
+/// fingerprint: what a pipeline stage other than the first needs.
+pub fn load_part_with(
+    path: &Path,
+    device: &Device,
+    options: &LoadOptions,
+) -> Result<(Llama, [u8; 32])> {
+    let parts = load_parts(path, device, options, false)?;
+    Ok((parts.model, parts.fingerprint))
 }
 
 /// Loads the network and its tokenizer.
@@ -103,22 +122,34 @@ pub fn load(path: &Path, device: &Device) -> Result<LoadedModel> {
 
 /// [`load`] with `options`.
 pub fn load_with(path: &Path, device: &Device, options: &LoadOptions) -> Result<LoadedModel> {
-    let (model, tokenizer) = load_parts(path, device, options, true)?;
-    let tokenizer = tokenizer.ok_or_else(|| Error::internal("the tokenizer was not loaded"))?;
+    let parts = load_parts(path, device, options, true)?;
+    let tokenizer = parts
+        .tokenizer
+        .ok_or_else(|| Error::internal("the tokenizer was not loaded"))?;
     Ok(LoadedModel {
-        model,
+        model: parts.model,
         tokenizer,
         path: path.to_path_buf(),
+        fingerprint: parts.fingerprint,
+        stages: parts.stages,
     })
 }
 
-/// The network, and with `tokenizer` its tokenizer.
+/// What [`load_parts`] read.
+struct Parts {
+    model: Llama,
+    tokenizer: Option<Tokenizer>,
+    fingerprint: [u8; 32],
+    stages: Vec<ModelPart>,
+}
+
+/// The network (or the stage of it `options` names), and with `tokenizer` its tokenizer.
 fn load_parts(
     path: &Path,
     device: &Device,
     options: &LoadOptions,
     tokenizer: bool,
-) -> Result<(Llama, Option<Tokenizer>)> {
+) -> Result<Parts> {
     let (config, mut source, tk): (ModelConfig, Box<dyn WeightSource>, Option<Tokenizer>) =
         match open(path, device)? {
             Source::Gguf(file) => {
@@ -140,11 +171,11 @@ fn load_parts(
                 (config, Box::new(weights), tk)
             }
         };
-    let model = match options.quantization {
-        None => Llama::load(config, source.as_mut())?,
+    let (model, fingerprint, stages) = match options.quantization {
+        None => load_stage(config, source.as_mut(), options.stage)?,
         Some(format) => {
             let mut q = weights::Quantizing::new(source.as_mut(), format);
-            let model = Llama::load(config, &mut q)?;
+            let loaded = load_stage(config, &mut q, options.stage)?;
             let c = q.counts;
             tracing::info!(
                 "quantized at load to {format:?}: {} matrices, {} more in llama.cpp's fallback \
@@ -153,10 +184,45 @@ fn load_parts(
                 c.fallback,
                 c.kept
             );
-            model
+            loaded
         }
     };
-    Ok((model, tk))
+    Ok(Parts {
+        model,
+        tokenizer: tk,
+        fingerprint,
+        stages,
+    })
+}
+
+/// The model's fingerprint, its split into `stage.1` stages, and the part of stage
+/// `stage.0` (the whole model without `stage`).
+fn load_stage(
+    config: ModelConfig,
+    src: &mut dyn WeightSource,
+    stage: Option<(usize, usize)>,
+) -> Result<(Llama, [u8; 32], Vec<ModelPart>)> {
+    let fingerprint = fingerprint(&config, src)?;
+    let (index, count) = stage.unwrap_or((0, 1));
+    let stages = stages::split(&config, src, count)?;
+    let part = stages
+        .get(index)
+        .cloned()
+        .ok_or_else(|| Error::internal(format!("stage {index} of {count}")))?;
+    Ok((Llama::load_part(config, src, part)?, fingerprint, stages))
+}
+
+/// SHA-256 of what identifies a model to the ranks of a group: its hyper-parameters and
+/// every matrix's name, shape and format as it will be held (after `--quantization`).
+fn fingerprint(config: &ModelConfig, src: &dyn WeightSource) -> Result<[u8; 32]> {
+    use sha2::{Digest, Sha256};
+    let mut h = Sha256::new();
+    h.update(format!("{config:?}"));
+    for (name, shape) in stages::matrices(config) {
+        let format = src.matrix_format(name, shape)?;
+        h.update(format!("{}:{shape:?}:{format:?};", name.gguf()));
+    }
+    Ok(h.finalize().into())
 }
 
 enum Source {

@@ -139,6 +139,15 @@ impl WeightSource for SafetensorsWeights {
         self.all_f32
     }
 
+    fn matrix_format(&self, name: WeightName, (r, c): (usize, usize)) -> Result<WeightFormat> {
+        let format = match self.get(name, &[r, c])?.dtype() {
+            DType::BF16 => FloatFormat::BF16,
+            DType::F16 => FloatFormat::F16,
+            _ => FloatFormat::F32,
+        };
+        Ok(WeightFormat::Float(format))
+    }
+
     fn matmul(&mut self, name: WeightName, (r, c): (usize, usize)) -> Result<QuantMatrix> {
         let t = self.get(name, &[r, c])?;
         // Read once: the matrix moves into the model in its checkpoint's encoding.

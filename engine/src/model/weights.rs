@@ -129,6 +129,14 @@ impl WeightSource for Quantizing<'_> {
         self.inner.is_f32()
     }
 
+    fn matrix_format(&self, name: WeightName, (r, c): (usize, usize)) -> Result<WeightFormat> {
+        let stored = self.inner.matrix_format(name, (r, c))?;
+        Ok(match stored {
+            WeightFormat::Float(_) => quantize::format_for(self.format, c).unwrap_or(stored),
+            kept => kept,
+        })
+    }
+
     fn matmul(&mut self, name: WeightName, (r, c): (usize, usize)) -> Result<QuantMatrix> {
         let m = self.inner.matmul(name, (r, c))?;
         if !matches!(m.format(), WeightFormat::Float(_)) {
@@ -169,8 +177,16 @@ pub trait WeightSource {
     fn device(&self) -> &Device;
     /// Whether every weight is stored in f32 (then the KV cache defaults to f32 too).
     fn is_f32(&self) -> bool;
+    /// The format the `[rows, cols]` matrix `name` is held in once loaded, found without
+    /// reading it (pipeline stages are balanced by the bytes it gives).
+    fn matrix_format(&self, name: WeightName, shape: (usize, usize)) -> Result<WeightFormat>;
     /// A `[rows, cols]` matrix used as `x @ W^T`, kept in the file's encoding.
     fn matmul(&mut self, name: WeightName, shape: (usize, usize)) -> Result<QuantMatrix>;
     /// A 1-D f32 tensor of `len` elements (norm weights, biases).
     fn vector(&mut self, name: WeightName, len: usize) -> Result<Tensor>;
+}
+
+/// Bytes a `[rows, cols]` matrix of `format` occupies.
+pub fn matrix_bytes(format: WeightFormat, (rows, cols): (usize, usize)) -> u64 {
+    (rows * (cols / format.block_values().max(1)) * format.block_bytes()) as u64
 }

@@ -149,6 +149,7 @@ impl From<Error> for ApiError {
                  retry later"
             )),
             e @ (Error::EngineStopped
+            | Error::Group(_)
             | Error::Config(_)
             | Error::Model { .. }
             | Error::Server(_)

@@ -9,6 +9,7 @@ use prometheus::{
 };
 
 use crate::engine::{EngineHandle, EngineStats};
+use crate::parallel::StageStats;
 
 const TTFT_BUCKETS: &[f64] = &[
     0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
@@ -48,6 +49,7 @@ pub struct Metrics {
     prefix_hits: IntCounter,
     cache_info: GaugeVec,
     seen: Mutex<EngineStats>,
+    model_name: String,
 }
 
 impl std::fmt::Debug for Metrics {
@@ -142,6 +144,7 @@ impl Metrics {
                 ],
             )?,
             seen: Mutex::new(EngineStats::default()),
+            model_name: model_name.to_string(),
             registry,
         };
         let r = &m.registry;
@@ -203,6 +206,60 @@ impl Metrics {
         }
         let mut out = Vec::new();
         let _ = TextEncoder::new().encode(&self.registry.gather(), &mut out);
-        String::from_utf8(out).unwrap_or_default()
+        let mut text = String::from_utf8(out).unwrap_or_default();
+        if let Some(engine) = engine {
+            self.render_stages(&engine.stage_stats(), &mut text);
+        }
+        text
+    }
+
+    /// Each pipeline stage's counters (none without a group), labelled `stage`: steps,
+    /// compute and transfer seconds, bytes each way — the stage with the most compute
+    /// seconds bounds the pipeline, transfer seconds are what the hops cost.
+    fn render_stages(&self, stages: &[StageStats], out: &mut String) {
+        use std::fmt::Write;
+        type Field = fn(&StageStats) -> f64;
+        let series: [(&str, &str, Field); 5] = [
+            (
+                "ferrite:pipeline_stage_steps_total",
+                "Steps each pipeline stage ran.",
+                |s| s.steps as f64,
+            ),
+            (
+                "ferrite:pipeline_stage_compute_seconds_total",
+                "Seconds each pipeline stage spent computing its layers.",
+                |s| s.compute_seconds,
+            ),
+            (
+                "ferrite:pipeline_stage_transfer_seconds_total",
+                "Seconds each stage's steps spent on the wire to and from it (both ways, \
+                 serialisation included); 0 for the leader's own stage.",
+                |s| s.transfer_seconds,
+            ),
+            (
+                "ferrite:pipeline_stage_sent_bytes_total",
+                "Bytes the leader sent to each pipeline stage.",
+                |s| s.bytes_sent as f64,
+            ),
+            (
+                "ferrite:pipeline_stage_received_bytes_total",
+                "Bytes the leader received from each pipeline stage.",
+                |s| s.bytes_received as f64,
+            ),
+        ];
+        if stages.is_empty() {
+            return;
+        }
+        let name = self.model_name.replace('\\', "\\\\").replace('"', "\\\"");
+        for (metric, help, field) in series {
+            let _ = writeln!(out, "# HELP {metric} {help}\n# TYPE {metric} counter");
+            for (i, s) in stages.iter().enumerate() {
+                let _ = writeln!(
+                    out,
+                    "{metric}{{model_name=\"{name}\",stage=\"{i}\"}} {}",
+                    field(s)
+                );
+            }
+        }
     }
 }

@@ -12,7 +12,7 @@ use ferrite_kernels::quant::WeightFormat;
 
 /// Ferrite's inference engine.
 #[derive(Debug, Parser)]
-#[command(name = "ferrite-engine", version, about)]
+#[command(name = "ferrite-engine", version, about, args_override_self = true)]
 pub struct Cli {
     /// What to do.
     #[command(subcommand)]
@@ -111,6 +111,71 @@ pub struct ServeArgs {
     /// Batching.
     #[command(flatten)]
     pub scheduler: SchedulerArgs,
+    /// The ranks of a model-parallel group.
+    #[command(flatten)]
+    pub group: GroupArgs,
+}
+
+/// How the ranks of a pipeline-parallel group find each other (vLLM's multi-node flags).
+#[derive(Debug, Args, Clone)]
+pub struct GroupArgs {
+    /// Hosts the group spans: 1 (the leader starts every stage on this host) or the
+    /// pipeline size (one stage per host, each started with its own --node-rank).
+    #[arg(long, default_value_t = 1)]
+    pub nnodes: usize,
+    /// This host's rank in the group: 0 is the leader (the OpenAI API); the others run
+    /// with --headless.
+    #[arg(long, default_value_t = 0)]
+    pub node_rank: usize,
+    /// The leader's address, which the other ranks connect to.
+    #[arg(long, default_value = "127.0.0.1")]
+    pub master_addr: String,
+    /// The port the leader admits ranks on.
+    #[arg(long, default_value_t = 29500)]
+    pub master_port: u16,
+    /// Serve no OpenAI API, only `/health` (ranks other than 0).
+    #[arg(long)]
+    pub headless: bool,
+    /// File holding the group's shared secret (required across hosts; else read from
+    /// FERRITE_GROUP_SECRET). Never logged.
+    #[arg(long, env = "FERRITE_GROUP_SECRET_FILE")]
+    pub group_secret_file: Option<PathBuf>,
+    /// Seconds the group may take to form before startup fails naming the missing rank.
+    #[arg(long, default_value_t = 300)]
+    pub group_timeout: u64,
+    /// A rank the leader started on this host: secret on stdin, exits when stdin closes.
+    #[arg(long, hide = true)]
+    pub group_child: bool,
+}
+
+impl GroupArgs {
+    /// These flags as arguments again (to carry them through `--from-manifest`).
+    pub fn to_args(&self) -> Vec<String> {
+        let mut out = vec![
+            "--nnodes".to_string(),
+            self.nnodes.to_string(),
+            "--node-rank".into(),
+            self.node_rank.to_string(),
+            "--master-addr".into(),
+            self.master_addr.clone(),
+            "--master-port".into(),
+            self.master_port.to_string(),
+            "--group-timeout".into(),
+            self.group_timeout.to_string(),
+        ];
+        if let Some(f) = &self.group_secret_file {
+            out.extend(["--group-secret-file".into(), f.display().to_string()]);
+        }
+        for (on, flag) in [
+            (self.headless, "--headless"),
+            (self.group_child, "--group-child"),
+        ] {
+            if on {
+                out.push(flag.into());
+            }
+        }
+        out
+    }
 }
 
 /// Which model to load.
@@ -140,6 +205,7 @@ impl LoadArgs {
     pub fn options(&self) -> LoadOptions {
         LoadOptions {
             quantization: self.quantization,
+            stage: None,
         }
     }
 }
@@ -220,7 +286,9 @@ pub struct SchedulerArgs {
     /// values are refused at startup).
     #[arg(long, default_value_t = 1)]
     pub tensor_parallel_size: usize,
-    /// Pipeline stages to split the model into (only 1 is supported yet).
+    /// Pipeline stages to split the model into, each a process holding a contiguous range
+    /// of layers and their KV cache: on one host (--nnodes 1) the leader starts them
+    /// itself, the machine's threads divided among them; across hosts one per --node-rank.
     #[arg(long, default_value_t = 1)]
     pub pipeline_parallel_size: usize,
     /// Requests that may wait for their first step at any instant; beyond this new requests

@@ -6,6 +6,7 @@ mod bench;
 mod cli;
 mod download;
 mod generate;
+mod group;
 mod perplexity;
 mod serve;
 

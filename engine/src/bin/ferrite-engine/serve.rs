@@ -11,6 +11,7 @@ use ferrite_engine::error::{ConfigError, Error, Result};
 use ferrite_engine::server::{run as run_server, AppState, ServerConfig};
 
 use crate::cli::{engine_config, Cli, Command, ServeArgs};
+use crate::group::{self, Role};
 
 /// Where Kubernetes reads a container's termination message.
 const TERMINATION_LOG: &str = "/dev/termination-log";
@@ -86,6 +87,7 @@ fn serve(args: ServeArgs) -> Result<()> {
             "--max-waiting-requests".into(),
             args.scheduler.max_waiting_requests.to_string(),
         ]);
+        argv.extend(args.group.to_args());
         tracing::info!("serving {} as: {}", manifest.display(), argv[1..].join(" "));
         let cli =
             Cli::try_parse_from(&argv).map_err(|e| manifest_error(manifest, e.to_string()))?;
@@ -127,6 +129,21 @@ fn serve(args: ServeArgs) -> Result<()> {
     };
     let engine_config = engine_config(&args.cache, &args.scheduler);
     let load_options = args.load.options();
+    let role = group::role(&args)?;
+    if role == Role::Worker {
+        return group::run_worker(&args, &model_path, &engine_config, load_options);
+    }
+    // The group's listener and ranks exist before the API does, so a port conflict or a
+    // rank that cannot start fails startup at once.
+    let leader = match role {
+        Role::Leader => Some(group::start_leader(
+            &args,
+            &model_path,
+            &engine_config,
+            load_options,
+        )?),
+        _ => None,
+    };
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
@@ -148,17 +165,22 @@ fn serve(args: ServeArgs) -> Result<()> {
             ferrite_util::shutdown_signal(),
         ));
         let load_state = Arc::clone(&state);
-        tokio::task::spawn_blocking(move || -> Result<()> {
-            let loaded =
-                ferrite_engine::model::load_with(&model_path, &Device::Cpu, &load_options)?;
-            let tokenizer = loaded.tokenizer.clone();
-            let engine = EngineHandle::start(loaded, engine_config)?;
+        let _group = tokio::task::spawn_blocking(move || -> Result<Option<group::Leader>> {
+            let (engine, tokenizer) = match &leader {
+                Some(l) => l.spec.start_leader(&l.listener)?,
+                None => {
+                    let loaded =
+                        ferrite_engine::model::load_with(&model_path, &Device::Cpu, &load_options)?;
+                    let tokenizer = loaded.tokenizer.clone();
+                    (EngineHandle::start(loaded, engine_config)?, tokenizer)
+                }
+            };
             load_state.set_ready(engine, tokenizer);
             tracing::info!(
                 "model loaded; serving `{}`",
                 load_state.config.served_model_names.join("`, `")
             );
-            Ok(())
+            Ok(leader)
         })
         .await
         .map_err(|e| Error::internal(format!("the model loader did not finish: {e}")))??;

@@ -1,0 +1,214 @@
+"""Pipeline-parallel groups as processes: `serve --pipeline-parallel-size 2` starting its
+own rank on one host, and two hosts' worth of ranks (`--nnodes 2 --node-rank 0/1`,
+`--headless`) on loopback. They serve one process's tokens and log-probabilities, each
+rank holds about its share of the weights, a wrong secret is refused at the handshake,
+and a lost rank ends every in-flight request with an error and fails `/health`, with
+nothing left running."""
+import json
+import os
+import signal
+import subprocess
+import threading
+import time
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from conftest import BIN, MAX_MODEL_LEN, MODEL, NAME, ROOT, Server, free_port
+
+PROMPTS = [
+    "The capital of France is",
+    "Write a haiku about the sea:",
+    "1, 2, 3, 4,",
+    "def fibonacci(n):",
+    "The quick brown fox",
+    "Once upon a time",
+]
+
+
+def complete(url: str, prompt: str, max_tokens: int = 24) -> dict:
+    body = json.dumps({"model": NAME, "prompt": prompt, "max_tokens": max_tokens,
+                       "temperature": 0, "logprobs": 2, "ignore_eos": True}).encode()
+    req = urllib.request.Request(url + "/v1/completions", body, {"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=120) as r:
+        choice = json.loads(r.read())["choices"][0]
+    return {"text": choice["text"], "logprobs": choice["logprobs"]}
+
+
+def all_at_once(url: str) -> list:
+    with ThreadPoolExecutor(len(PROMPTS)) as pool:
+        return list(pool.map(lambda p: complete(url, p), PROMPTS))
+
+
+def status(url: str) -> int:
+    try:
+        with urllib.request.urlopen(url + "/health", timeout=2) as r:
+            return r.status
+    except urllib.error.HTTPError as e:
+        return e.code
+    except OSError:
+        return 0
+
+
+def wait_for(predicate, what: str, timeout: float = 120):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if predicate():
+            return
+        time.sleep(0.2)
+    raise TimeoutError(what)
+
+
+def children(pid: int) -> list:
+    out = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[1]) == pid:
+                out.append(int(entry))
+    return out
+
+
+def rss_bytes(pid: int) -> int:
+    """Resident anonymous memory (the weights, caches and buffers; not the mapped binary)."""
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("RssAnon:"):
+                return int(line.split()[1]) * 1024
+    raise AssertionError(f"no RssAnon for {pid}")
+
+
+def alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+class Rank:
+    """One `serve` process started by hand with `args`; `url` serves its HTTP."""
+
+    def __init__(self, *args: str, env=None):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = ROOT / "target" / f"pipeline-rank-{self.port}.log"
+        self.log = open(self.log_path, "w")
+        self.proc = subprocess.Popen(
+            [BIN, "serve", "--model", MODEL, "--host", "127.0.0.1", "--port", str(self.port),
+             "--served-model-name", NAME, "--max-model-len", str(MAX_MODEL_LEN),
+             "--kv-cache-memory", "300000000", "--pipeline-parallel-size", "2", *args],
+            stdout=self.log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
+
+    def output(self) -> str:
+        self.log.flush()
+        return self.log_path.read_text()
+
+    def kill(self):
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait(timeout=30)
+        self.log.close()
+
+
+@pytest.fixture(scope="module")
+def reference(server):
+    return all_at_once(server.url)
+
+
+def test_two_local_stages_serve_one_processes_tokens_each_holding_its_share(reference):
+    # Memory first, every process idle and fresh: one process holds every layer; each rank
+    # its half of the layers and one vocabulary-sized matrix (the tied embedding is the
+    # first stage's input and the last stage's output).
+    whole = Server()
+    whole_rss = rss_bytes(whole.proc.pid)
+    whole.stop()
+    group = Server("--pipeline-parallel-size", "2")
+    try:
+        [child] = children(group.proc.pid)
+        weights = os.path.getsize(MODEL)
+        for pid in (group.proc.pid, child):
+            assert rss_bytes(pid) < whole_rss - 0.25 * weights, (pid, rss_bytes(pid), whole_rss)
+        assert all_at_once(group.url) == reference
+        with urllib.request.urlopen(group.url + "/metrics", timeout=5) as r:
+            text = r.read().decode()
+        steps = [line for line in text.splitlines()
+                 if line.startswith("ferrite:pipeline_stage_steps_total") and 'stage="1"' in line]
+        assert steps and float(steps[0].rsplit(" ", 1)[1]) > 0, text
+        assert "ferrite:pipeline_stage_transfer_seconds_total" in text
+        # The leader killed outright: the rank it started notices and exits.
+        group.stop(signal.SIGKILL)
+        wait_for(lambda: not alive(child), "the child rank outlived its leader", 20)
+    finally:
+        group.stop(signal.SIGKILL)
+
+
+def two_hosts(secret0="s3cret-group", secret1="s3cret-group", *extra):
+    master = str(free_port())
+    common = ("--nnodes", "2", "--master-addr", "127.0.0.1", "--master-port", master, *extra)
+    leader = Rank(*common, "--node-rank", "0", env={"FERRITE_GROUP_SECRET": secret0})
+    worker = Rank(*common, "--node-rank", "1", "--headless", env={"FERRITE_GROUP_SECRET": secret1})
+    return leader, worker
+
+
+def test_two_hosts_on_loopback_serve_the_same_and_a_lost_rank_fails_requests_and_health(reference):
+    leader, worker = two_hosts()
+    try:
+        wait_for(lambda: status(leader.url) == 200 and status(worker.url) == 200,
+                 "the group did not form:\n" + leader.output())
+        assert all_at_once(leader.url) == reference
+        body = json.dumps({"model": NAME, "prompt": "Tell me a long story.", "max_tokens": 1500,
+                           "temperature": 0, "ignore_eos": True, "stream": True}).encode()
+        req = urllib.request.Request(leader.url + "/v1/completions", body,
+                                     {"Content-Type": "application/json"})
+        events = []
+        with urllib.request.urlopen(req, timeout=120) as r:
+            for raw in r:
+                line = raw.decode().strip()
+                if not line.startswith("data: "):
+                    continue
+                events.append(line[6:])
+                if len(events) == 5:
+                    threading.Thread(target=worker.kill).start()
+        assert len(events) > 5 and events[-1] == "[DONE]"
+        # Not a finished completion: an error event, the server's fault, ends it.
+        error = json.loads(events[-2])["error"]
+        assert error["code"] == 500, error
+        assert not any('"finish_reason":"length"' in e for e in events)
+        wait_for(lambda: status(leader.url) == 500, "the leader's /health did not turn 500", 20)
+        assert "lost rank 1" in leader.output()
+    finally:
+        worker.kill()
+        leader.kill()
+
+
+def test_a_rank_with_the_wrong_secret_is_refused_and_the_leader_names_it():
+    leader, worker = two_hosts("right-Zq81x", "wrong-Zq82x", "--group-timeout", "10")
+    try:
+        assert worker.proc.wait(timeout=120) != 0
+        assert "failed authentication: its group secret is not the leader's" in worker.output()
+        assert leader.proc.wait(timeout=120) != 0
+        out = leader.output()
+        assert "rank 1 (refused: rank 1 failed authentication" in out, out
+        for log in (out, worker.output()):
+            assert "Zq81x" not in log and "Zq82x" not in log, "a secret was logged"
+    finally:
+        worker.kill()
+        leader.kill()
+
+
+def test_group_flags_without_a_group_are_refused_naming_them():
+    out = subprocess.run([BIN, "serve", "--model", MODEL, "--node-rank", "1", "--headless"],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode != 0
+    assert "--pipeline-parallel-size" in out.stderr, out.stderr
+    out = subprocess.run([BIN, "serve", "--model", MODEL, "--pipeline-parallel-size", "2",
+                          "--nnodes", "3"], capture_output=True, text=True, timeout=60)
+    assert out.returncode != 0
+    assert "--nnodes 3" in out.stderr and "pipeline size 2" in out.stderr, out.stderr

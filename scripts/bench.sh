@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # make bench, over HTTP: Ferrite serving the default model, measured by ferrite-bench at
 # concurrency 1, 4, 16 and 64 (128-token prompts, 128 output tokens), at Poisson request
-# rates, on the mixed chat-like workload, and with --max-num-seqs 1 (no batching: the naive
-# baseline); closed-loop levels of the fixed workload run $REPEAT times (median and range).
+# rates, on the mixed chat-like workload, as two pipeline stages at concurrency 1 and 16,
+# and with --max-num-seqs 1 (no batching: the naive baseline); closed-loop levels of the fixed workload run $REPEAT times (median and range).
 # Results go to bench/results/results.json; the report and plots next to it.
 set -euo pipefail
 source "$(dirname "$0")/bench-lib.sh"
@@ -16,6 +16,14 @@ start_server "$LOGS/ferrite.log" "${SERVE[@]}" --max-num-seqs 64
 "$BENCH" run --url "$URL" --label ferrite --results "$RESULTS" --workload "$WORKLOAD" --concurrency 1,4,16,64 --repeat "$REPEAT"
 "$BENCH" run --url "$URL" --label ferrite --results "$RESULTS" --workload "$WORKLOAD" --request-rate 0.25,0.5,1 --requests 16
 "$BENCH" run --url "$URL" --label ferrite --results "$RESULTS" --workload mixed --concurrency 16
+stop_server
+
+# Pipeline parallel: two stages on this host, the threads divided between them (on two
+# cores parallelism cannot make a model faster; the figure is how close it stays to one
+# process). Per-stage compute and transfer seconds from its /metrics go to the log.
+start_server "$LOGS/ferrite-pp2.log" "${SERVE[@]}" --max-num-seqs 64 --pipeline-parallel-size 2
+"$BENCH" run --url "$URL" --label "ferrite --pipeline-parallel-size 2" --results "$RESULTS" --workload "$WORKLOAD" --concurrency 1,16 --repeat "$REPEAT"
+curl -s "$URL/metrics" | grep '^ferrite:pipeline_stage' >> "$LOGS/ferrite-pp2.log" || true
 stop_server
 
 start_server "$LOGS/ferrite-naive.log" "${SERVE[@]}" --max-num-seqs 1

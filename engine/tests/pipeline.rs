@@ -1,8 +1,9 @@
-//! A pipeline-parallel group gives exactly the tokens and log-probabilities one process
-//! gives — concurrent requests, chunked prefill, prefix caching and preemption included —
-//! and its handshake admits only ranks with the secret, the protocol and the model. The
-//! ranks here are threads joined over loopback TCP, through the same code the processes
-//! of `ferrite-engine serve --pipeline-parallel-size` run (`serve_cli.rs` runs those).
+//! A model-parallel group — pipeline stages, tensor-parallel ranks, or both — gives exactly
+//! the tokens and log-probabilities one process gives (concurrent requests, chunked
+//! prefill, prefix caching and preemption included), and its handshake admits only ranks
+//! with the secret, the protocol and the model. The ranks here are threads — stages joined
+//! over loopback TCP, tensor ranks through shared memory — running the same code the
+//! processes of `ferrite-engine serve` run (`tests/api/test_pipeline.py` runs those).
 
 mod common;
 
@@ -15,8 +16,11 @@ use std::time::Duration;
 use candle_core::Device;
 use ferrite_engine::engine::{Collected, EngineConfig, EngineHandle};
 use ferrite_engine::model::{load_with, LoadOptions};
+use ferrite_engine::parallel::tensor::region_path;
 use ferrite_engine::parallel::wire::{self, Layout, Message, StageReport};
-use ferrite_engine::parallel::{form_group, join_group, GroupSettings, RankSpec, Secret};
+use ferrite_engine::parallel::{
+    form_group, join_group, GroupSettings, RankSpec, Secret, TensorPeers,
+};
 use ferrite_engine::sampling::SamplingParams;
 use ferrite_engine::Result;
 
@@ -24,11 +28,12 @@ const TEXT: &str = "The quick brown fox jumps over the lazy dog. In the beginnin
 universe was created. This has made a lot of people very angry and been widely regarded as a \
 bad move. It was the best of times, it was the worst of times, it was the age of wisdom.";
 
-/// A group of `stages` over `model`: the leader's engine, and the worker threads (each
-/// returns how its rank ended).
+/// A group of `stages` stages of `tensor` ranks each over `model`: the leader's engine,
+/// and the other ranks' threads (each returns how its rank ended).
 fn group(
     model: &Path,
     config: &EngineConfig,
+    tensor: usize,
     stages: usize,
 ) -> (EngineHandle, Vec<JoinHandle<Result<()>>>) {
     let listener = TcpListener::bind("127.0.0.1:0").expect("binds");
@@ -38,19 +43,39 @@ fn group(
         load: LoadOptions::default(),
         engine: EngineConfig {
             pipeline_parallel_size: stages,
+            tensor_parallel_size: tensor,
             ..config.clone()
         },
         secret: Secret::random(),
         timeout: Duration::from_secs(120),
     };
-    let workers = (1..stages)
-        .map(|rank| {
-            let (spec, addr) = (spec.clone(), addr.clone());
-            std::thread::spawn(move || spec.run_worker(rank, &addr, || {}))
+    let peers: Vec<Option<TensorPeers>> = (0..stages)
+        .map(|_| {
+            (tensor > 1).then(|| TensorPeers {
+                region: region_path(),
+                pids: Vec::new(),
+            })
         })
         .collect();
-    let (engine, _) = spec.start_leader(&listener).expect("the group forms");
-    (engine, workers)
+    let mut ranks = Vec::new();
+    for (stage, peers) in peers.iter().enumerate() {
+        for t in 1..tensor {
+            let (spec, peers) = (spec.clone(), peers.clone().expect("peers"));
+            ranks.push(std::thread::spawn(move || {
+                spec.run_tensor_peer(stage, t, &peers.region)
+            }));
+        }
+        if stage > 0 {
+            let (spec, addr, peers) = (spec.clone(), addr.clone(), peers.clone());
+            ranks.push(std::thread::spawn(move || {
+                spec.run_worker(stage, &addr, peers.as_ref(), || {})
+            }));
+        }
+    }
+    let (engine, _) = spec
+        .start_leader(&listener, peers[0].as_ref())
+        .expect("the group forms");
+    (engine, ranks)
 }
 
 /// Prompts of 3 to 40 tokens, some sharing a prefix, two identical.
@@ -111,19 +136,24 @@ fn bits(c: Collected) -> Bits {
     (prompt, tokens)
 }
 
-/// Checks that the group computes what one process computes, and that both preempted.
-fn same_as_one_process(model: &Path, stages: usize, blocks: u64) {
+/// Checks that a group of `stages` stages of `tensor` ranks computes what one process
+/// computes, and that both preempted.
+fn same_as_one_process(model: &Path, tensor: usize, stages: usize, blocks: u64) {
     let prompts = prompts(model, 15);
     let one = EngineHandle::start(
         load_with(model, &Device::Cpu, &LoadOptions::default()).expect("loads"),
-        pressure(model, blocks, 1),
+        pressure(model, blocks, 1, 1),
     )
     .expect("starts");
     let want = run(&one, &prompts, 24);
-    let (engine, workers) = group(model, &pressure(model, blocks, stages), stages);
+    let config = pressure(model, blocks, tensor, stages);
+    let (engine, workers) = group(model, &config, tensor, stages);
     let got = run(&engine, &prompts, 24);
     for (i, (g, w)) in got.iter().zip(&want).enumerate() {
-        assert_eq!(g, w, "request {i} with {stages} stages");
+        assert_eq!(
+            g, w,
+            "request {i} with {tensor} tensor ranks and {stages} stages"
+        );
     }
     let (a, b) = (one.stats(), engine.stats());
     assert!(a.preemptions > 0 && b.preemptions > 0, "{a:?} {b:?}");
@@ -147,10 +177,11 @@ fn same_as_one_process(model: &Path, stages: usize, blocks: u64) {
     }
 }
 
-/// A cache of `blocks` blocks of 16 in the stage of `stages` with the most layers (each
-/// stage sizes its own, the group takes the smallest) and steps of at most 32 tokens, so
-/// long prompts are chunked and 16 requests preempt.
-fn pressure(model: &Path, blocks: u64, stages: usize) -> EngineConfig {
+/// A cache of `blocks` blocks of 16 in the stage of `stages` with the most layers, each of
+/// its `tensor` ranks holding its share of the KV heads (each rank sizes its own, the group
+/// takes the smallest), and steps of at most 32 tokens, so long prompts are chunked and 16
+/// requests preempt.
+fn pressure(model: &Path, blocks: u64, tensor: usize, stages: usize) -> EngineConfig {
     let options = LoadOptions {
         stage: Some((0, stages)),
         ..LoadOptions::default()
@@ -158,7 +189,7 @@ fn pressure(model: &Path, blocks: u64, stages: usize) -> EngineConfig {
     let m = load_with(model, &Device::Cpu, &options).expect("loads");
     let c = m.model.config();
     let layers = m.stages.iter().map(|p| p.layers.len()).max().unwrap_or(1);
-    let per_token = (2 * layers * c.num_kv_heads * c.head_dim * 2) as u64;
+    let per_token = (2 * layers * c.num_kv_heads / tensor * c.head_dim * 2) as u64;
     EngineConfig {
         kv_cache_memory: Some(blocks * 16 * per_token),
         max_model_len: Some(64),
@@ -170,21 +201,64 @@ fn pressure(model: &Path, blocks: u64, stages: usize) -> EngineConfig {
 #[test]
 fn two_stages_of_the_default_model_give_one_processes_tokens_and_logprobs() {
     let model = common::default_model();
-    same_as_one_process(&model, 2, 12);
+    same_as_one_process(&model, 1, 2, 12);
 }
 
 #[test]
 fn three_stages_of_the_default_model_give_one_processes_tokens_and_logprobs() {
     let model = common::default_model();
-    same_as_one_process(&model, 3, 12);
+    same_as_one_process(&model, 1, 3, 12);
+}
+
+#[test]
+fn three_tensor_ranks_of_the_default_model_give_one_processes_tokens_and_logprobs() {
+    // Its 3 KV heads split only into 3 (or 1).
+    let model = common::default_model();
+    same_as_one_process(&model, 3, 1, 12);
 }
 
 #[test]
 fn two_stages_of_tiny_gqa_models_in_several_formats_give_one_processes_tokens() {
     for name in ["tiny-Q4_K_M.gguf", "tiny-Q5_0.gguf", "tiny-F16.gguf"] {
         let model: PathBuf = common::fixture("tiny").join(name);
-        same_as_one_process(&model, 2, 10);
+        same_as_one_process(&model, 1, 2, 10);
     }
+}
+
+#[test]
+fn tensor_ranks_alone_and_in_stages_of_tiny_gqa_models_give_one_processes_tokens() {
+    for name in ["tiny-Q4_K_M.gguf", "tiny-Q5_0.gguf", "tiny-F16.gguf"] {
+        let model: PathBuf = common::fixture("tiny").join(name);
+        same_as_one_process(&model, 2, 1, 10);
+        same_as_one_process(&model, 2, 2, 10);
+    }
+}
+
+#[test]
+fn a_tensor_size_that_does_not_divide_the_kv_heads_is_refused_naming_both() {
+    let spec = RankSpec {
+        model: common::default_model(),
+        load: LoadOptions::default(),
+        engine: EngineConfig {
+            tensor_parallel_size: 2,
+            ..EngineConfig::default()
+        },
+        secret: Secret::random(),
+        timeout: Duration::from_secs(1),
+    };
+    let listener = TcpListener::bind("127.0.0.1:0").expect("binds");
+    let peers = TensorPeers {
+        region: region_path(),
+        pids: Vec::new(),
+    };
+    let err = spec.start_leader(&listener, Some(&peers)).err();
+    let err = err.map(|e| e.to_string()).unwrap_or_default();
+    assert!(
+        err.contains("--tensor-parallel-size 2")
+            && err.contains("2 does not divide the model's 3 KV heads"),
+        "{err}"
+    );
+    assert!(!peers.region.exists(), "no shared memory is left behind");
 }
 
 #[test]
@@ -201,7 +275,10 @@ fn a_stage_per_layer_is_the_most_and_more_is_refused_naming_the_layers() {
         timeout: Duration::from_secs(1),
     };
     let listener = TcpListener::bind("127.0.0.1:0").expect("binds");
-    let err = spec.start_leader(&listener).err().map(|e| e.to_string());
+    let err = spec
+        .start_leader(&listener, None)
+        .err()
+        .map(|e| e.to_string());
     let err = err.unwrap_or_default();
     assert!(
         err.contains("--pipeline-parallel-size") && err.contains("2 layers"),

@@ -1,5 +1,6 @@
 //! Ferrite's CPU kernels, where candle's generic ops are too slow or round differently:
-//! quantized products, paged attention, activations, and the memory they run in. Every
+//! quantized products, paged attention, activations, the memory they run in and the memory
+//! tensor-parallel ranks share. Every
 //! `unsafe` line of the workspace lives in this crate, in one file per instruction set,
 //! behind the run-time tokens of [`cpu`]; the crates above it forbid `unsafe` code.
 
@@ -12,6 +13,8 @@ mod fold;
 #[allow(unsafe_code)]
 pub mod hugepages;
 pub mod quant;
+#[allow(unsafe_code)]
+pub mod shm;
 
 /// Rows each parallel task takes in row-by-row work on rows of `len` values: enough for
 /// about 32k values (below that, waking another thread costs more than it saves), at least

@@ -61,6 +61,11 @@ class Server:
     def client(self) -> openai.OpenAI:
         return openai.OpenAI(base_url=self.url + "/v1", api_key="unused", max_retries=0, timeout=120)
 
+    def output(self) -> str:
+        """What the process has logged so far."""
+        self.log.flush()
+        return (ROOT / "target" / f"api-server-{self.port}.log").read_text()
+
     def stop(self, sig=signal.SIGTERM, timeout=60) -> int:
         if self.proc.poll() is None:
             self.proc.send_signal(sig)

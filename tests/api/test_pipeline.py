@@ -1,9 +1,9 @@
-"""Pipeline-parallel groups as processes: `serve --pipeline-parallel-size 2` starting its
-own rank on one host, and two hosts' worth of ranks (`--nnodes 2 --node-rank 0/1`,
-`--headless`) on loopback. They serve one process's tokens and log-probabilities, each
-rank holds about its share of the weights, a wrong secret is refused at the handshake,
-and a lost rank ends every in-flight request with an error and fails `/health`, with
-nothing left running."""
+"""Model-parallel groups as processes: `serve --pipeline-parallel-size 2` and
+`serve --tensor-parallel-size 3` starting their own ranks on one host, and two hosts' worth
+of ranks (`--nnodes 2 --node-rank 0/1`, `--headless`) on loopback. They serve one
+process's tokens and log-probabilities, each rank holds about its share of the weights, a
+wrong secret is refused at the handshake, and a lost rank ends every in-flight request with
+an error and fails `/health`, with nothing left running."""
 import json
 import os
 import signal
@@ -149,6 +149,70 @@ def test_two_local_stages_serve_one_processes_tokens_each_holding_its_share(refe
         group.stop(signal.SIGKILL)
 
 
+def stream_and_kill(url: str, kill) -> list:
+    """A long streamed completion from `url`, calling `kill` after its fifth event: every
+    event's data, to the end."""
+    body = json.dumps({"model": NAME, "prompt": "Tell me a long story.", "max_tokens": 1500,
+                       "temperature": 0, "ignore_eos": True, "stream": True}).encode()
+    req = urllib.request.Request(url + "/v1/completions", body,
+                                 {"Content-Type": "application/json"})
+    events = []
+    with urllib.request.urlopen(req, timeout=120) as r:
+        for raw in r:
+            line = raw.decode().strip()
+            if not line.startswith("data: "):
+                continue
+            events.append(line[6:])
+            if len(events) == 5:
+                threading.Thread(target=kill).start()
+    return events
+
+
+def assert_ended_by_error(events: list):
+    assert len(events) > 5 and events[-1] == "[DONE]"
+    # Not a finished completion: an error event, the server's fault, ends it.
+    error = json.loads(events[-2])["error"]
+    assert error["code"] == 500, error
+    assert not any('"finish_reason":"length"' in e for e in events)
+
+
+def test_three_local_tensor_ranks_serve_one_processes_tokens_each_holding_its_share(reference):
+    # The default model's 3 KV heads split into 3 ranks, each holding a third of every
+    # matrix (the vocabulary's rows included): far less than the whole model.
+    whole = Server()
+    whole_rss = rss_bytes(whole.proc.pid)
+    whole.stop()
+    group = Server("--tensor-parallel-size", "3")
+    try:
+        peers = children(group.proc.pid)
+        assert len(peers) == 2, peers
+        weights = os.path.getsize(MODEL)
+        for pid in (group.proc.pid, *peers):
+            assert rss_bytes(pid) < whole_rss - 0.5 * weights, (pid, rss_bytes(pid), whole_rss)
+        assert all_at_once(group.url) == reference
+        # A tensor rank killed mid-stream: the request ends with an error, /health turns
+        # 500, and the other rank stops too.
+        events = stream_and_kill(group.url, lambda: os.kill(peers[1], signal.SIGKILL))
+        assert_ended_by_error(events)
+        wait_for(lambda: status(group.url) == 500, "the leader's /health did not turn 500", 20)
+        wait_for(lambda: not alive(peers[0]), "a tensor rank outlived its group", 20)
+        assert f"lost tensor rank 2 (pid {peers[1]})" in group.output()
+    finally:
+        group.stop(signal.SIGKILL)
+
+
+def test_tensor_ranks_exit_when_their_leader_is_killed():
+    group = Server("--tensor-parallel-size", "3")
+    try:
+        peers = children(group.proc.pid)
+        assert len(peers) == 2, peers
+        group.stop(signal.SIGKILL)
+        for pid in peers:
+            wait_for(lambda: not alive(pid), "a tensor rank outlived its leader", 20)
+    finally:
+        group.stop(signal.SIGKILL)
+
+
 def two_hosts(secret0="s3cret-group", secret1="s3cret-group", *extra):
     master = str(free_port())
     common = ("--nnodes", "2", "--master-addr", "127.0.0.1", "--master-port", master, *extra)
@@ -163,24 +227,7 @@ def test_two_hosts_on_loopback_serve_the_same_and_a_lost_rank_fails_requests_and
         wait_for(lambda: status(leader.url) == 200 and status(worker.url) == 200,
                  "the group did not form:\n" + leader.output())
         assert all_at_once(leader.url) == reference
-        body = json.dumps({"model": NAME, "prompt": "Tell me a long story.", "max_tokens": 1500,
-                           "temperature": 0, "ignore_eos": True, "stream": True}).encode()
-        req = urllib.request.Request(leader.url + "/v1/completions", body,
-                                     {"Content-Type": "application/json"})
-        events = []
-        with urllib.request.urlopen(req, timeout=120) as r:
-            for raw in r:
-                line = raw.decode().strip()
-                if not line.startswith("data: "):
-                    continue
-                events.append(line[6:])
-                if len(events) == 5:
-                    threading.Thread(target=worker.kill).start()
-        assert len(events) > 5 and events[-1] == "[DONE]"
-        # Not a finished completion: an error event, the server's fault, ends it.
-        error = json.loads(events[-2])["error"]
-        assert error["code"] == 500, error
-        assert not any('"finish_reason":"length"' in e for e in events)
+        assert_ended_by_error(stream_and_kill(leader.url, worker.kill))
         wait_for(lambda: status(leader.url) == 500, "the leader's /health did not turn 500", 20)
         assert "lost rank 1" in leader.output()
     finally:
@@ -212,3 +259,15 @@ def test_group_flags_without_a_group_are_refused_naming_them():
                           "--nnodes", "3"], capture_output=True, text=True, timeout=60)
     assert out.returncode != 0
     assert "--nnodes 3" in out.stderr and "pipeline size 2" in out.stderr, out.stderr
+
+
+def test_tensor_sizes_that_split_no_kv_heads_or_span_hosts_are_refused_naming_why():
+    out = subprocess.run([BIN, "serve", "--model", MODEL, "--tensor-parallel-size", "2"],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode != 0
+    assert "--tensor-parallel-size 2" in out.stderr, out.stderr
+    assert "2 does not divide the model's 3 KV heads" in out.stderr, out.stderr
+    out = subprocess.run([BIN, "serve", "--model", MODEL, "--tensor-parallel-size", "3",
+                          "--nnodes", "2"], capture_output=True, text=True, timeout=60)
+    assert out.returncode != 0
+    assert "tensor-parallel ranks all run on one host" in out.stderr, out.stderr

@@ -21,6 +21,7 @@ use crate::error::{ConfigError, Error, RequestError, Result};
 use crate::kv::budget::{self, CachePlan, CacheRequest};
 use crate::kv::{KvDtype, KvElementType};
 use crate::model::{Llama, LoadedModel, ModelConfig};
+use crate::parallel::tensor::MAX_TENSOR_RANKS;
 use crate::parallel::{Pipeline, StageStats};
 use crate::sampling::SamplingParams;
 use step::{EngineLoop, Request};
@@ -44,7 +45,8 @@ pub struct EngineConfig {
     pub enable_prefix_caching: bool,
     /// Element type of the KV cache.
     pub kv_dtype: KvDtype,
-    /// Devices a model is split across within a node; only 1 is built so far.
+    /// Tensor-parallel ranks on one host, each holding 1/T of every layer (a divisor of the
+    /// model's KV heads).
     pub tensor_parallel_size: usize,
     /// Pipeline stages, each its own process holding a contiguous range of layers.
     pub pipeline_parallel_size: usize,
@@ -100,16 +102,7 @@ impl EngineConfig {
                     .into(),
             });
         }
-        if self.tensor_parallel_size != 1 {
-            return Err(ConfigError::Unsupported {
-                setting: "tensor_parallel_size",
-                value: self.tensor_parallel_size.to_string(),
-                reason: "tensor parallelism is not built yet; split the model into pipeline \
-                         stages with --pipeline-parallel-size instead, or use \
-                         --tensor-parallel-size 1"
-                    .into(),
-            });
-        }
+        check_tensor_split(self.tensor_parallel_size, model.num_kv_heads)?;
         if !(1..=model.num_layers.max(1)).contains(&self.pipeline_parallel_size) {
             return Err(ConfigError::OutOfRange {
                 setting: "pipeline_parallel_size",
@@ -268,15 +261,20 @@ impl EngineHandle {
     ) -> Result<Self> {
         let c = model.model.config().clone();
         let max_model_len = config.validate(&c)?;
-        if config.pipeline_parallel_size > 1 && pipeline.is_none() {
-            return Err(ConfigError::Unsupported {
-                setting: "pipeline_parallel_size",
-                value: config.pipeline_parallel_size.to_string(),
-                reason: "pipeline stages run as a group of processes, which \
-                         `ferrite-engine serve` starts; this command runs the model in one"
-                    .into(),
+        for (setting, size) in [
+            ("pipeline_parallel_size", config.pipeline_parallel_size),
+            ("tensor_parallel_size", config.tensor_parallel_size),
+        ] {
+            if size > 1 && pipeline.is_none() {
+                return Err(ConfigError::Unsupported {
+                    setting,
+                    value: size.to_string(),
+                    reason: "model-parallel ranks run as a group of processes, which \
+                             `ferrite-engine serve` starts; this command runs the model in one"
+                        .into(),
+                }
+                .into());
             }
-            .into());
         }
         if let Some(message) = ferrite_kernels::cpu::tier_cap_error() {
             return Err(ConfigError::Input {
@@ -500,7 +498,7 @@ pub fn plan_cache(
     kv: KvElementType,
     max_model_len: usize,
 ) -> Result<CachePlan> {
-    let c = model.config();
+    let c = model.local_config();
     let plan = budget::plan(
         &CacheRequest {
             utilization: config.gpu_memory_utilization,
@@ -526,7 +524,57 @@ pub fn plan_cache(
         plan.kv_bytes as f64 / (1 << 20) as f64,
         plan.explanation
     );
-    Ok(plan)
+    Ok(tensor_plan(plan, model))
+}
+
+/// Refuses a tensor-parallel size that does not split `kv_heads` into whole heads per
+/// rank, naming both numbers.
+pub fn check_tensor_split(size: usize, kv_heads: usize) -> std::result::Result<(), ConfigError> {
+    if size == 0 || size > MAX_TENSOR_RANKS {
+        return Err(ConfigError::OutOfRange {
+            setting: "tensor_parallel_size",
+            range: format!("from 1 to {MAX_TENSOR_RANKS}, dividing the model's KV heads"),
+            got: size.to_string(),
+        });
+    }
+    if !kv_heads.is_multiple_of(size) {
+        return Err(ConfigError::Unsupported {
+            setting: "tensor_parallel_size",
+            value: size.to_string(),
+            reason: format!(
+                "each tensor-parallel rank holds whole KV heads, and {size} does not divide the \
+                 model's {kv_heads} KV heads; choose a divisor of {kv_heads}"
+            ),
+        });
+    }
+    Ok(())
+}
+
+/// The cache of a tensor-parallel stage: as many blocks as its smallest rank's budget
+/// allows, every rank's weights and blocks logged.
+fn tensor_plan(mut own: CachePlan, model: &Llama) -> CachePlan {
+    let Some(group) = model.tensor_group().filter(|g| g.rank() == 0) else {
+        return own;
+    };
+    let mib = |b: u64| b as f64 / (1 << 20) as f64;
+    let mut smallest = (0, own.num_blocks as u64);
+    for p in group.peers() {
+        tracing::info!(
+            "tensor rank {}: {:.1} MiB of weights, {} KV blocks",
+            p.rank,
+            mib(p.weight_bytes),
+            p.kv_blocks
+        );
+        if p.kv_blocks < smallest.1 {
+            smallest = (p.rank, p.kv_blocks);
+        }
+    }
+    if smallest.0 != 0 {
+        own.kv_bytes = own.kv_bytes / own.num_blocks.max(1) as u64 * smallest.1;
+        own.num_blocks = smallest.1 as usize;
+        own.explanation = format!("the smallest tensor rank's budget, rank {}", smallest.0);
+    }
+    own
 }
 
 /// The group's cache: as many blocks as the smallest stage's budget allows, with every

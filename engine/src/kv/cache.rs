@@ -23,7 +23,7 @@ pub trait PagedCache: KvCache + Send {
 
 /// Paged storage for `model` in elements of `element`.
 pub fn new_paged(model: &Llama, element: KvElementType, block_size: usize) -> Box<dyn PagedCache> {
-    let c = model.config();
+    let c = model.local_config();
     if element == KvElementType::F16 {
         Box::new(PagedKv::<half::f16>::new(
             block_size,

@@ -6,7 +6,9 @@
 //! three stages — [`Llama::embed`], [`Llama::run_layers`] over any range of [`Block`]s,
 //! [`Llama::head`] — and a pipeline stage loads ([`Llama::load_part`]) and runs only its
 //! own: a contiguous range of layers, with the embedding on the first stage and the final
-//! norm and vocabulary projection on the last.
+//! norm and vocabulary projection on the last. A tensor-parallel rank loads 1/T of every
+//! projection's output rows ([`Shard`]) and gathers what the others computed through its
+//! [`TensorGroup`] after each, so every value is still computed whole, by one rank.
 
 use candle_core::{DType, Device, Tensor};
 use rayon::prelude::*;
@@ -19,6 +21,7 @@ use ferrite_kernels::rows_per_task;
 use super::config::{Architecture, ModelConfig, RopeStyle};
 use super::weights::{WeightName, WeightSource};
 use crate::error::{Error, RequestError, Result};
+use crate::parallel::tensor::{share, shares, TensorGroup};
 
 /// One sequence's share of a flattened batch.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -131,19 +134,91 @@ impl Fanout {
 }
 
 /// The token embedding table, in the file's encoding: rows decoded as they are looked up
-/// (the output projection's own matrix when the two are tied).
+/// (the output projection's own matrix when the two are tied). A tensor-parallel rank
+/// holds the vocabulary rows from `first` on.
 #[derive(Debug, Clone)]
-struct Embedding(QuantMatrix);
+struct Embedding {
+    table: QuantMatrix,
+    first: usize,
+}
 
 impl Embedding {
-    /// The rows of `ids` (each within the vocabulary), one after another.
-    fn rows(&self, ids: &[u32]) -> Buf {
-        let h = self.0.cols();
+    /// The rows of `ids` (each within the vocabulary), one after another, and which of
+    /// them this table holds (the others are left as the buffer had them).
+    fn rows(&self, ids: &[u32]) -> (Buf, Vec<usize>) {
+        let h = self.table.cols();
+        let held = self.first..self.first + self.table.rows();
         let mut x = Buf::take(ids.len() * h);
-        for (&id, row) in ids.iter().zip(x.chunks_exact_mut(h)) {
-            self.0.dequantize_row(id as usize, row);
+        let mut owned = Vec::with_capacity(ids.len());
+        for (i, (&id, row)) in ids.iter().zip(x.chunks_exact_mut(h)).enumerate() {
+            if held.contains(&(id as usize)) {
+                self.table.dequantize_row(id as usize - self.first, row);
+                owned.push(i);
+            }
         }
-        x
+        (x, owned)
+    }
+}
+
+/// Which share of every projection a tensor-parallel rank holds: rank `rank` of `size`
+/// takes a contiguous share of the KV heads (and the query heads that read them), of the
+/// hidden features each output projection writes, of the MLP's features and of the
+/// vocabulary. `size` 1 is the whole model.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Shard {
+    /// This rank.
+    pub rank: usize,
+    /// Ranks the model is split among.
+    pub size: usize,
+}
+
+impl Shard {
+    /// The whole model, on one rank.
+    pub const WHOLE: Shard = Shard { rank: 0, size: 1 };
+
+    /// KV heads held.
+    fn kv_heads(&self, c: &ModelConfig) -> std::ops::Range<usize> {
+        share(c.num_kv_heads, self.size, self.rank)
+    }
+
+    /// Query heads held: those reading the KV heads held.
+    fn heads(&self, c: &ModelConfig) -> std::ops::Range<usize> {
+        let group = c.num_heads / c.num_kv_heads.max(1);
+        let kv = self.kv_heads(c);
+        kv.start * group..kv.end * group
+    }
+
+    /// This rank's share of `n` output rows.
+    fn rows(&self, n: usize) -> std::ops::Range<usize> {
+        share(n, self.size, self.rank)
+    }
+}
+
+/// How wide each rank's share of every gathered activation is, in rank order.
+#[derive(Debug, Clone)]
+struct Widths {
+    /// Attention outputs (query heads × head size).
+    attn: Vec<usize>,
+    /// Hidden features (the output and down projections).
+    hidden: Vec<usize>,
+    /// MLP features.
+    mlp: Vec<usize>,
+    /// Vocabulary.
+    vocab: Vec<usize>,
+}
+
+impl Widths {
+    fn new(c: &ModelConfig, size: usize) -> Self {
+        let group = c.num_heads / c.num_kv_heads.max(1);
+        Widths {
+            attn: shares(c.num_kv_heads, size)
+                .iter()
+                .map(|kv| kv * group * c.head_dim)
+                .collect(),
+            hidden: shares(c.hidden_size, size),
+            mlp: shares(c.intermediate_size, size),
+            vocab: shares(c.vocab_size, size),
+        }
     }
 }
 
@@ -201,7 +276,8 @@ impl Block {
         drop(qkv);
         let attn = cache.attend(layer, batch, &q, &k, &v)?;
         drop((q, k, v));
-        Ok(self.o.forward(&attn))
+        let attn = m.gather(attn, |w| &w.attn)?;
+        m.gather(self.o.forward(&attn), |w| &w.hidden)
     }
 
     /// `down(silu(gate(y)) * up(y))`.
@@ -209,9 +285,10 @@ impl Block {
         let c = &m.config;
         let gate_up = self.gate_up.forward(&y, c.hidden_size);
         drop(y);
-        let act = swiglu_rows(&gate_up, c.intermediate_size);
+        let act = swiglu_rows(&gate_up, m.local.intermediate_size);
         drop(gate_up);
-        Ok(self.down.forward(&act))
+        let act = m.gather(act, |w| &w.mlp)?;
+        m.gather(self.down.forward(&act), |w| &w.hidden)
     }
 
     /// The block's weight products in the order [`Block::forward`] runs them.
@@ -330,6 +407,15 @@ pub struct Llama {
     /// What the weights occupy in memory: those read every step and an embedding held apart.
     resident_bytes: usize,
     kv_f16: bool,
+    /// This rank's share of every projection.
+    shard: Shard,
+    /// The configuration of the share held: the query and KV heads and MLP features of
+    /// this rank (the whole model's without tensor parallelism).
+    local: ModelConfig,
+    /// Each rank's share of the gathered activations, under tensor parallelism.
+    widths: Option<Widths>,
+    /// The other ranks of this rank's stage, once joined ([`Llama::join_tensor_group`]).
+    tensor: Option<std::sync::Arc<TensorGroup>>,
 }
 
 /// Which parts of a model one process holds: a pipeline stage's layers, with the embedding
@@ -359,16 +445,26 @@ impl Llama {
     /// Builds the model from named weights, checking each shape against `config`.
     pub fn load(config: ModelConfig, src: &mut dyn WeightSource) -> Result<Self> {
         let whole = ModelPart::whole(config.num_layers);
-        Self::load_part(config, src, whole)
+        Self::load_part(config, src, whole, Shard::WHOLE)
     }
 
-    /// Builds only `part` of the model (a pipeline stage): no other layer's weights are read.
+    /// Builds only `part` of the model (a pipeline stage), and of it only `shard`'s share
+    /// (a tensor-parallel rank's): no other layer's weights are read, and of each matrix
+    /// only the share's rows are kept.
     pub fn load_part(
         config: ModelConfig,
         src: &mut dyn WeightSource,
         part: ModelPart,
+        shard: Shard,
     ) -> Result<Self> {
         let c = &config;
+        crate::engine::check_tensor_split(shard.size, c.num_kv_heads)?;
+        if shard.rank >= shard.size {
+            return Err(Error::internal(format!(
+                "tensor rank {} of {}",
+                shard.rank, shard.size
+            )));
+        }
         if part.layers.end > c.num_layers || part.layers.is_empty() && c.num_layers > 0 {
             return Err(Error::internal(format!(
                 "layers {:?} of a model with {} layers",
@@ -377,20 +473,27 @@ impl Llama {
         }
         let (h, hd) = (c.hidden_size, c.head_dim);
         let mut bytes = 0usize;
+        let (heads, kv) = (shard.heads(c), shard.kv_heads(c));
+        let (q_rows, kv_rows) = (heads.start * hd..heads.end * hd, kv.start * hd..kv.end * hd);
+        let (h_rows, mlp_rows) = (shard.rows(h), shard.rows(c.intermediate_size));
         let mut linear = |src: &mut dyn WeightSource, name: WeightName, out: usize, inp: usize| {
-            let weight = src.matmul(name, (out, inp))?;
+            let rows = match name {
+                WeightName::Q(_) => q_rows.clone(),
+                WeightName::K(_) | WeightName::V(_) => kv_rows.clone(),
+                WeightName::Gate(_) | WeightName::Up(_) => mlp_rows.clone(),
+                _ => h_rows.clone(),
+            };
+            let weight = shard_rows(src.matmul(name, (out, inp))?, rows.clone())?;
             bytes += weight.gguf_bytes();
             let bias = match (c.architecture, name) {
-                (Architecture::Qwen2, WeightName::Q(l)) => {
-                    Some(to_f32_vec(&src.vector(WeightName::QBias(l), out)?)?)
-                }
-                (Architecture::Qwen2, WeightName::K(l)) => {
-                    Some(to_f32_vec(&src.vector(WeightName::KBias(l), out)?)?)
-                }
-                (Architecture::Qwen2, WeightName::V(l)) => {
-                    Some(to_f32_vec(&src.vector(WeightName::VBias(l), out)?)?)
-                }
+                (Architecture::Qwen2, WeightName::Q(l)) => Some(WeightName::QBias(l)),
+                (Architecture::Qwen2, WeightName::K(l)) => Some(WeightName::KBias(l)),
+                (Architecture::Qwen2, WeightName::V(l)) => Some(WeightName::VBias(l)),
                 _ => None,
+            };
+            let bias = match bias {
+                Some(b) => Some(to_f32_vec(&src.vector(b, out)?)?[rows].to_vec()),
+                None => None,
             };
             Ok::<_, Error>(Linear { weight, bias })
         };
@@ -418,9 +521,13 @@ impl Llama {
         } else {
             WeightName::Output
         };
+        let vocab_rows = shard.rows(c.vocab_size);
         let mut lm_head = match part.head {
             true => Some(Linear {
-                weight: src.matmul(head_name, (c.vocab_size, h))?,
+                weight: shard_rows(
+                    src.matmul(head_name, (c.vocab_size, h))?,
+                    vocab_rows.clone(),
+                )?,
                 bias: None,
             }),
             false => None,
@@ -430,7 +537,10 @@ impl Llama {
         // packed with the others below; tied beside the head, it is the output projection's.
         let shares_head = tied && lm_head.is_some();
         let mut embed_weight = match part.embed && !shares_head {
-            true => Some(src.matmul(WeightName::Embed, (c.vocab_size, h))?),
+            true => Some(shard_rows(
+                src.matmul(WeightName::Embed, (c.vocab_size, h))?,
+                vocab_rows.clone(),
+            )?),
             false => None,
         };
         let mut quant: Vec<&mut QuantMatrix> = Vec::new();
@@ -449,16 +559,20 @@ impl Llama {
         quant.extend(lm_head.as_mut().map(|l| &mut l.weight));
         quant.extend(embed_weight.as_mut());
         QuantMatrix::share_huge_pages(&mut quant);
-        let embed = match (part.embed, embed_weight, &lm_head) {
+        let table = match (part.embed, embed_weight, &lm_head) {
             (false, _, _) => None,
-            (true, Some(w), _) => Some(Embedding(w)),
-            (true, None, Some(head)) => Some(Embedding(head.weight.clone())),
+            (true, Some(w), _) => Some(w),
+            (true, None, Some(head)) => Some(head.weight.clone()),
             (true, None, None) => None,
         };
+        let embed = table.map(|table| Embedding {
+            table,
+            first: vocab_rows.start,
+        });
         // Memory of its own unless it shares the (counted) output projection's.
         let resident_bytes = bytes
             + match (&embed, shares_head) {
-                (Some(e), false) => e.0.gguf_bytes(),
+                (Some(e), false) => e.table.gguf_bytes(),
                 _ => 0,
             };
         let head = match lm_head {
@@ -468,6 +582,11 @@ impl Llama {
         let device = src.device().clone();
         let kv_f16 = !src.is_f32();
         let cos_sin = rope_tables(c);
+        let mut local = config.clone();
+        local.num_heads = heads.len();
+        local.num_kv_heads = kv.len();
+        local.intermediate_size = mlp_rows.len();
+        let widths = (shard.size > 1).then(|| Widths::new(c, shard.size));
         Ok(Llama {
             config,
             part,
@@ -479,7 +598,55 @@ impl Llama {
             weight_bytes: bytes,
             resident_bytes,
             kv_f16,
+            shard,
+            local,
+            widths,
+            tensor: None,
         })
+    }
+
+    /// This rank's share of the model.
+    pub fn shard(&self) -> Shard {
+        self.shard
+    }
+
+    /// The hyper-parameters of the share this rank holds: its query and KV heads and MLP
+    /// features (what its KV cache and activations are sized by).
+    pub fn local_config(&self) -> &ModelConfig {
+        &self.local
+    }
+
+    /// Runs every later step together with the other ranks of `group` (this model's
+    /// [`Shard`] among them); refused unless the group has this shard's rank and size.
+    pub fn join_tensor_group(&mut self, group: std::sync::Arc<TensorGroup>) -> Result<()> {
+        if (group.rank(), group.size()) != (self.shard.rank, self.shard.size) {
+            return Err(Error::internal(format!(
+                "tensor rank {} of {} joining a group as rank {} of {}",
+                self.shard.rank,
+                self.shard.size,
+                group.rank(),
+                group.size()
+            )));
+        }
+        self.tensor = Some(group);
+        Ok(())
+    }
+
+    /// The tensor-parallel group this rank computes with, once joined.
+    pub fn tensor_group(&self) -> Option<&std::sync::Arc<TensorGroup>> {
+        self.tensor.as_ref()
+    }
+
+    /// `local` (this rank's columns of a `[tokens, Σ widths]` activation) with every rank's
+    /// columns beside it; `local` itself without tensor parallelism.
+    fn gather(&self, local: Buf, widths: impl Fn(&Widths) -> &Vec<usize>) -> Result<Buf> {
+        let (Some(group), Some(w)) = (&self.tensor, &self.widths) else {
+            return Ok(local);
+        };
+        let widths = widths(w);
+        let rows = local.len() / widths[self.shard.rank].max(1);
+        let all = group.gather_columns(&local, rows, widths, true)?;
+        all.ok_or_else(|| Error::internal("a gather to every rank left this one out"))
     }
 
     /// The hyper-parameters this model was built with.
@@ -532,7 +699,7 @@ impl Llama {
     /// side), Q and K rotated to each token's position, each as row-major `[tokens, heads *
     /// head_dim]` values; tokens spread over the threads.
     fn split_qkv(&self, qkv: &[f32], positions: &[usize]) -> [Buf; 3] {
-        let c = &self.config;
+        let c = &self.local;
         let d = c.head_dim;
         let (wq, wk) = (c.num_heads * d, c.num_kv_heads * d);
         let row = wq + 2 * wk;
@@ -590,7 +757,11 @@ impl Llama {
             .embed
             .as_ref()
             .ok_or_else(|| Error::internal("this pipeline stage holds no embedding"))?;
-        Ok(embed.rows(batch.tokens))
+        let (mut x, owned) = embed.rows(batch.tokens);
+        if let Some(group) = &self.tensor {
+            group.gather_rows(&mut x, c.hidden_size, &owned)?;
+        }
+        Ok(x)
     }
 
     /// Runs layers `layers` on the residual stream `x` in place.
@@ -619,7 +790,9 @@ impl Llama {
         Ok(())
     }
 
-    /// The final norm and vocabulary projection of the residual stream's rows `rows`.
+    /// The final norm and vocabulary projection of the residual stream's rows `rows`; under
+    /// tensor parallelism tensor rank 0 gets every rank's share of the vocabulary and the
+    /// others no rows.
     pub fn head(&self, x: Buf, rows: &[u32]) -> Result<Logits> {
         let c = &self.config;
         let (h, vocab) = (c.hidden_size, c.vocab_size);
@@ -644,10 +817,14 @@ impl Llama {
         };
         let normed = rms_norm(&x, h, norm, c.rms_norm_eps as f32);
         drop(x);
-        Ok(Logits {
-            values: lm_head.forward(&normed),
-            vocab,
-        })
+        let values = lm_head.forward(&normed);
+        let values = match (&self.tensor, &self.widths) {
+            (Some(group), Some(w)) => group
+                .gather_columns(&values, rows.len(), &w.vocab, false)?
+                .unwrap_or_default(),
+            _ => values,
+        };
+        Ok(Logits { values, vocab })
     }
 
     /// Every weight product of a step in the order the forward pass runs them — each
@@ -662,6 +839,15 @@ impl Llama {
                     .map(|(_, l)| Product::linear(l, self.config.hidden_size)),
             )
     }
+}
+
+/// Rows `rows` of `m` (all of it when they are all its rows).
+fn shard_rows(m: QuantMatrix, rows: std::ops::Range<usize>) -> Result<QuantMatrix> {
+    if rows == (0..m.rows()) {
+        return Ok(m);
+    }
+    m.select_rows(rows.clone())
+        .ok_or_else(|| Error::internal(format!("rows {rows:?} of a matrix of {} rows", m.rows())))
 }
 
 /// RMSNorm with ggml's arithmetic: squares in f32 summed in f64, `1 / sqrt(mean + eps)` in

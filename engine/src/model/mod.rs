@@ -12,7 +12,7 @@ use std::path::{Path, PathBuf};
 use candle_core::Device;
 
 pub use config::{Architecture, ModelConfig, RopeStyle};
-pub use llama::{Llama, ModelPart};
+pub use llama::{Llama, ModelPart, Shard};
 
 use ferrite_kernels::quant::{KFormat, WeightFormat};
 
@@ -45,6 +45,8 @@ pub struct LoadOptions {
     pub quantization: Option<WeightFormat>,
     /// Load only one pipeline stage's part: `(stage, stages)`.
     pub stage: Option<(usize, usize)>,
+    /// Load only one tensor-parallel rank's share: `(rank, ranks)`.
+    pub tensor: Option<(usize, usize)>,
 }
 
 /// `--quantization` names and the formats they quantize to, in the order they are listed.
@@ -172,10 +174,10 @@ fn load_parts(
             }
         };
     let (model, fingerprint, stages) = match options.quantization {
-        None => load_stage(config, source.as_mut(), options.stage)?,
+        None => load_stage(config, source.as_mut(), options)?,
         Some(format) => {
             let mut q = weights::Quantizing::new(source.as_mut(), format);
-            let loaded = load_stage(config, &mut q, options.stage)?;
+            let loaded = load_stage(config, &mut q, options)?;
             let c = q.counts;
             tracing::info!(
                 "quantized at load to {format:?}: {} matrices, {} more in llama.cpp's fallback \
@@ -195,21 +197,27 @@ fn load_parts(
     })
 }
 
-/// The model's fingerprint, its split into `stage.1` stages, and the part of stage
-/// `stage.0` (the whole model without `stage`).
+/// The model's fingerprint, its split into the stages `options` names, and the part of
+/// its stage and tensor rank (the whole model without either).
 fn load_stage(
     config: ModelConfig,
     src: &mut dyn WeightSource,
-    stage: Option<(usize, usize)>,
+    options: &LoadOptions,
 ) -> Result<(Llama, [u8; 32], Vec<ModelPart>)> {
     let fingerprint = fingerprint(&config, src)?;
-    let (index, count) = stage.unwrap_or((0, 1));
+    let (index, count) = options.stage.unwrap_or((0, 1));
+    let (rank, size) = options.tensor.unwrap_or((0, 1));
     let stages = stages::split(&config, src, count)?;
     let part = stages
         .get(index)
         .cloned()
         .ok_or_else(|| Error::internal(format!("stage {index} of {count}")))?;
-    Ok((Llama::load_part(config, src, part)?, fingerprint, stages))
+    let shard = Shard { rank, size };
+    Ok((
+        Llama::load_part(config, src, part, shard)?,
+        fingerprint,
+        stages,
+    ))
 }
 
 /// SHA-256 of what identifies a model to the ranks of a group: its hyper-parameters and

@@ -225,7 +225,8 @@ pub struct Pipeline {
 
 impl Pipeline {
     /// A pipeline over `members` (ranks `1..`, in rank order) whose frames are at most
-    /// `max_frame` bytes.
+    /// `max_frame` bytes; without members the leader's stage is the whole model (split
+    /// among tensor-parallel ranks).
     pub fn new(mut members: Vec<Member>, max_frame: usize) -> Self {
         members.sort_by_key(|m| m.rank);
         let stats = vec![StageStats::default(); members.len() + 1];
@@ -261,15 +262,29 @@ impl Pipeline {
     ) -> Result<Logits> {
         self.step += 1;
         let started = Instant::now();
-        // One injection into the thread pool for the local layers; the waits on other stages
-        // below hold no pool thread.
-        let x = rayon::scope(|_| -> Result<Buf> {
+        let meta = self.step_meta(batch, tables, rows);
+        if let Some(group) = model.tensor_group() {
+            super::stage::broadcast_step(group, &meta)?;
+        }
+        let local = self.members.is_empty();
+        // One injection into the thread pool for the local layers (and, alone, the head);
+        // the waits on other stages below hold no pool thread.
+        let x = rayon::scope(|_| -> Result<std::result::Result<Buf, Logits>> {
             let mut x = model.embed(batch)?;
             model.run_layers(model.part().layers.clone(), batch, &mut *cache, &mut x)?;
-            Ok(x)
+            match local {
+                true => Ok(Err(model.head(x, rows)?)),
+                false => Ok(Ok(x)),
+            }
         })?;
         self.record(0, |s| s.compute_seconds += started.elapsed().as_secs_f64());
-        let meta = self.step_meta(batch, tables, rows);
+        let x = match x {
+            Ok(x) => x,
+            Err(logits) => {
+                self.bump_steps();
+                return Ok(logits);
+            }
+        };
         let mut hidden = x.to_vec();
         drop(x);
         let last = self.members.len();

@@ -1,25 +1,30 @@
-//! Pipeline parallelism across processes: the leader (rank 0) keeps the API, scheduler and
-//! sampler and runs the first stage; every other rank holds one contiguous stage of layers
-//! and its KV cache, joins the leader over TCP with an authenticated handshake
-//! ([`wire`]), and runs each step's hidden states through its layers ([`stage`]). The
-//! leader's [`Pipeline`] sends each step from stage to stage and returns the last stage's
-//! logits, so the group computes exactly what one process computes.
+//! Model parallelism across processes. Pipeline parallelism: the leader (rank 0) keeps the
+//! API, scheduler and sampler and runs the first stage; every other rank holds one
+//! contiguous stage of layers and its KV cache, joins the leader over TCP with an
+//! authenticated handshake ([`wire`]), and runs each step's hidden states through its
+//! layers ([`stage`]). The leader's [`Pipeline`] sends each step from stage to stage and
+//! returns the last stage's logits. Tensor parallelism: each stage is T processes on one
+//! host, each holding 1/T of every layer, exchanging activations through shared memory
+//! ([`tensor`]). Either way the group computes exactly what one process computes.
 
 pub mod leader;
 pub mod stage;
+pub mod tensor;
 pub mod wire;
 
 use std::net::TcpListener;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 use std::time::Duration;
 
 use candle_core::Device;
 
 pub use leader::{form_group, Member, Pipeline, StageStats};
-pub use stage::{join_group, serve_stage};
+pub use stage::{join_group, serve_stage, serve_tensor_peer};
+pub use tensor::TensorGroup;
 
 use crate::engine::{plan_cache, EngineConfig, EngineHandle};
-use crate::error::{ConfigError, Result};
+use crate::error::{ConfigError, Error, Result};
 use crate::kv::cache::new_paged;
 use crate::kv::KvElementType;
 use crate::model::{Llama, LoadOptions, ModelConfig};
@@ -90,6 +95,16 @@ pub struct GroupSettings {
     pub max_frame: usize,
 }
 
+/// How a stage's tensor rank 0 reaches the other tensor ranks of its stage.
+#[derive(Debug, Clone)]
+pub struct TensorPeers {
+    /// The shared-memory file rank 0 creates and the peers map.
+    pub region: PathBuf,
+    /// Process ids of tensor ranks 1.. as started (a peer that exits before joining fails
+    /// startup at once); empty when they are not processes of their own.
+    pub pids: Vec<u32>,
+}
+
 /// How a rank of a pipeline group starts: the model, how it is loaded, the engine
 /// settings every rank shares, the secret and how long the group may take to form.
 #[derive(Debug, Clone)]
@@ -112,12 +127,84 @@ impl RankSpec {
         self.engine.pipeline_parallel_size
     }
 
-    /// The load options of pipeline stage `rank`.
-    fn options(&self, rank: usize) -> LoadOptions {
+    /// Tensor-parallel ranks of each stage.
+    pub fn tensor_ranks(&self) -> usize {
+        self.engine.tensor_parallel_size
+    }
+
+    /// The load options of tensor rank `tensor` of pipeline stage `rank`.
+    fn options(&self, rank: usize, tensor: usize) -> LoadOptions {
         LoadOptions {
             stage: Some((rank, self.stages())),
+            tensor: (self.tensor_ranks() > 1).then_some((tensor, self.tensor_ranks())),
             ..self.load
         }
+    }
+
+    /// What the tensor ranks of stage `stage` must share: the model, the settings and
+    /// the stage.
+    fn tensor_identity(settings: &GroupSettings, stage: usize) -> [u8; 32] {
+        use sha2::{Digest, Sha256};
+        let mut h = Sha256::new();
+        h.update(settings.fingerprint);
+        h.update(format!("{:?};stage {stage}", settings.layout));
+        h.finalize().into()
+    }
+
+    /// With tensor parallelism, makes `model` (tensor rank 0 of stage `stage`) compute with
+    /// the stage's other tensor ranks, once they have all joined through `peers`.
+    fn form_tensor(
+        &self,
+        model: &mut Llama,
+        stage: usize,
+        settings: &GroupSettings,
+        peers: Option<&TensorPeers>,
+    ) -> Result<()> {
+        let size = self.tensor_ranks();
+        if size <= 1 {
+            return Ok(());
+        }
+        let peers = peers.ok_or_else(|| {
+            Error::internal("tensor rank 0 started without its peers' shared memory")
+        })?;
+        let slot = tensor_slot_bytes(model.config(), &settings.layout);
+        let identity = Self::tensor_identity(settings, stage);
+        let mut group = TensorGroup::create(&peers.region, size, slot, identity)?;
+        tracing::info!(
+            "stage {stage}: waiting for {} more tensor ranks ({:.1} MiB of shared memory)",
+            size - 1,
+            (2 * slot) as f64 / (1 << 20) as f64
+        );
+        group.wait_for_peers(self.timeout, &peers.pids)?;
+        model.join_tensor_group(Arc::new(group))
+    }
+
+    /// Runs tensor rank `tensor` (1 or more) of pipeline stage `stage`: loads its share,
+    /// sizes its cache from its own budget, joins the stage's tensor rank 0 through the
+    /// shared memory at `region`, and runs every step rank 0 passes on until it shuts the
+    /// group down (`Ok`) or a rank is lost (`Err`). Its steps run in a thread pool of its
+    /// own.
+    pub fn run_tensor_peer(&self, stage: usize, tensor: usize, region: &Path) -> Result<()> {
+        let (mut model, fingerprint) =
+            crate::model::load_part_with(&self.model, &Device::Cpu, &self.options(stage, tensor))?;
+        let (settings, kv, max_model_len) = self.settings(&model, fingerprint)?;
+        let plan = plan_cache(&model, &self.engine, kv, max_model_len)?;
+        let report = (plan.num_blocks as u64, model.resident_weight_bytes() as u64);
+        let identity = Self::tensor_identity(&settings, stage);
+        let group = TensorGroup::join(
+            region,
+            tensor,
+            self.tensor_ranks(),
+            identity,
+            report,
+            self.timeout,
+        )?;
+        model.join_tensor_group(Arc::new(group))?;
+        tracing::info!("tensor rank {tensor} of stage {stage} joined its group");
+        let mut cache = new_paged(&model, kv, plan.block_size);
+        in_own_pool(|| {
+            serve_tensor_peer(&model, cache.as_mut(), plan.num_blocks, settings.max_frame)
+        })?
     }
 
     /// What this rank checks the others against, with the element type of its cache and
@@ -153,10 +240,19 @@ impl RankSpec {
     /// Runs worker rank `rank`: loads its stage, sizes its cache from its own memory
     /// budget, joins the leader at `leader` (`host:port`), calls `joined`, and runs steps
     /// until the leader shuts the group down (`Ok`) or is lost (`Err`).
-    pub fn run_worker(&self, rank: usize, leader: &str, joined: impl FnOnce()) -> Result<()> {
-        let (model, fingerprint) =
-            crate::model::load_part_with(&self.model, &Device::Cpu, &self.options(rank))?;
+    /// With tensor parallelism, `peers` reaches the stage's other tensor ranks, and the
+    /// steps run in a thread pool of their own.
+    pub fn run_worker(
+        &self,
+        rank: usize,
+        leader: &str,
+        peers: Option<&TensorPeers>,
+        joined: impl FnOnce(),
+    ) -> Result<()> {
+        let (mut model, fingerprint) =
+            crate::model::load_part_with(&self.model, &Device::Cpu, &self.options(rank, 0))?;
         let (settings, kv, max_model_len) = self.settings(&model, fingerprint)?;
+        self.form_tensor(&mut model, rank, &settings, peers)?;
         let plan = plan_cache(&model, &self.engine, kv, max_model_len)?;
         let layers = model.part().layers.clone();
         let report = StageReport {
@@ -170,26 +266,43 @@ impl RankSpec {
         tracing::info!("rank {rank} joined the group at {leader}: layers {layers:?}");
         joined();
         let mut cache = new_paged(&model, kv, plan.block_size);
-        serve_stage(
-            stream,
-            &model,
-            cache.as_mut(),
-            plan.num_blocks,
-            settings.max_frame,
-        )
+        let serve = || {
+            serve_stage(
+                stream,
+                &model,
+                cache.as_mut(),
+                plan.num_blocks,
+                settings.max_frame,
+            )
+        };
+        match self.tensor_ranks() > 1 {
+            true => in_own_pool(serve)?,
+            false => serve(),
+        }
     }
 
-    /// Runs the leader: loads the first stage, admits every other rank on `listener`, and
-    /// starts the engine over the group. Returns the engine and the tokenizer.
-    pub fn start_leader(&self, listener: &TcpListener) -> Result<(EngineHandle, Tokenizer)> {
-        let loaded = crate::model::load_with(&self.model, &Device::Cpu, &self.options(0))?;
+    /// Runs the leader: loads the first stage (its share of it, with `peers` reaching the
+    /// stage's other tensor ranks), admits every other stage on `listener`, and starts the
+    /// engine over the group. Returns the engine and the tokenizer.
+    pub fn start_leader(
+        &self,
+        listener: &TcpListener,
+        peers: Option<&TensorPeers>,
+    ) -> Result<(EngineHandle, Tokenizer)> {
+        let mut loaded = crate::model::load_with(&self.model, &Device::Cpu, &self.options(0, 0))?;
         let (settings, _, _) = self.settings(&loaded.model, loaded.fingerprint)?;
-        tracing::info!(
-            "waiting for {} more ranks on {}",
-            self.stages() - 1,
-            listener.local_addr()?
-        );
-        let members = form_group(listener, &settings, self.stages())?;
+        self.form_tensor(&mut loaded.model, 0, &settings, peers)?;
+        let members = match self.stages() {
+            1 => Vec::new(),
+            stages => {
+                tracing::info!(
+                    "waiting for {} more ranks on {}",
+                    stages - 1,
+                    listener.local_addr()?
+                );
+                form_group(listener, &settings, stages)?
+            }
+        };
         let tokenizer = loaded.tokenizer.clone();
         let pipeline = Pipeline::new(members, settings.max_frame);
         let engine = EngineHandle::start_pipeline(loaded, self.engine.clone(), pipeline)?;
@@ -209,6 +322,28 @@ pub fn max_step_frame(c: &ModelConfig, layout: &Layout) -> usize {
     let metadata = 64 + tokens * 12 + seqs * (12 + blocks * 4);
     let values = (tokens * c.hidden_size).max(seqs * c.vocab_size);
     metadata + 4 * values
+}
+
+/// The largest collective of a tensor-parallel stage: a step as its rank 0 passes it on, or
+/// the widest activation every rank gathers (attention outputs or MLP features of every
+/// token).
+pub fn tensor_slot_bytes(c: &ModelConfig, layout: &Layout) -> usize {
+    let tokens = layout.max_num_batched_tokens as usize;
+    let widest = (c.num_heads * c.head_dim)
+        .max(c.intermediate_size)
+        .max(c.hidden_size);
+    max_step_frame(c, layout).max(4 * tokens * widest) + 64
+}
+
+/// Runs `f` in a thread pool of its own, as large as the current one: a rank whose steps
+/// wait on its tensor peers inside the pool never holds a thread another rank's step needs.
+fn in_own_pool<R: Send>(f: impl FnOnce() -> R + Send) -> Result<R> {
+    let pool = rayon::ThreadPoolBuilder::new()
+        .num_threads(rayon::current_num_threads())
+        .thread_name(|i| format!("ferrite-rank-{i}"))
+        .build()
+        .map_err(|e| Error::internal(format!("cannot start a thread pool: {e}")))?;
+    Ok(pool.install(f))
 }
 
 /// Lower-case hex of `bytes`.

@@ -1,11 +1,13 @@
 //! A worker rank's side of a group: joining the leader ([`join_group`]) and running every
 //! step it sends through this stage's layers ([`serve_stage`]) until it says to stop or
-//! the connection is lost.
+//! the connection is lost; and a tensor-parallel peer's side, running every step its
+//! stage's tensor rank 0 passes it ([`serve_tensor_peer`]).
 
 use std::io::{BufReader, BufWriter};
 use std::net::TcpStream;
 use std::time::{Duration, Instant};
 
+use super::tensor::TensorGroup;
 use super::wire::{self, Message, StageReport, StepWork, HANDSHAKE_FRAME};
 use super::GroupSettings;
 use crate::error::{Error, Result};
@@ -126,7 +128,11 @@ pub fn serve_stage(
         };
         let started = Instant::now();
         let step = work.step;
-        let reply = match run_step(model, cache, kv_blocks, work) {
+        let passed = match model.tensor_group() {
+            Some(group) => broadcast_step(group, &work),
+            None => Ok(()),
+        };
+        let reply = match passed.and_then(|()| run_step(model, cache, kv_blocks, work)) {
             Ok((values, logits)) => {
                 let compute_ns = started.elapsed().as_nanos() as u64;
                 match logits {
@@ -152,8 +158,50 @@ pub fn serve_stage(
     }
 }
 
+/// Passes `work` to the other tensor ranks of this stage (so they run the same step).
+pub fn broadcast_step(group: &TensorGroup, work: &StepWork) -> Result<()> {
+    let mut bytes = Vec::new();
+    wire::write_frame(&mut bytes, &Message::Step(work.clone()))
+        .map_err(|e| Error::Group(format!("encoding a step for the tensor ranks: {e}")))?;
+    group.broadcast(Some(&bytes)).map(drop)
+}
+
+/// Runs every step tensor rank 0 of this stage passes on, with `model` (this rank's share
+/// of the stage) and `cache`, until rank 0 shuts the group down (`Ok`) or a rank fails
+/// (`Err`, after telling the others). `kv_blocks` bounds the blocks a step may name.
+pub fn serve_tensor_peer(
+    model: &Llama,
+    cache: &mut dyn PagedCache,
+    kv_blocks: usize,
+    max_frame: usize,
+) -> Result<()> {
+    let group = model
+        .tensor_group()
+        .ok_or_else(|| Error::internal("a tensor-parallel peer without its group"))?;
+    let result = (|| loop {
+        let bytes = match group.broadcast(None) {
+            Ok(b) => b,
+            Err(_) if group.is_shut_down() => return Ok(()),
+            Err(e) => return Err(e),
+        };
+        let work = match wire::read_frame(&mut bytes.as_slice(), max_frame) {
+            Ok(Message::Step(w)) => w,
+            Ok(_) | Err(_) => {
+                return Err(Error::Group(
+                    "tensor rank 0 passed something other than a step".into(),
+                ))
+            }
+        };
+        run_step(model, cache, kv_blocks, work)?;
+    })();
+    if result.is_err() {
+        group.fail();
+    }
+    result
+}
+
 /// One step through this stage: the residual stream leaving its last layer, or with the
-/// head the logits of the step's rows (`true`).
+/// head the logits of the step's rows (`true`). The first stage embeds the tokens itself.
 fn run_step(
     model: &Llama,
     cache: &mut dyn PagedCache,
@@ -161,7 +209,9 @@ fn run_step(
     work: StepWork,
 ) -> Result<(Vec<f32>, bool)> {
     let c = model.config();
-    check_step(&work, c.hidden_size, c.max_position_embeddings, kv_blocks)?;
+    let part = model.part().clone();
+    let hidden = if part.embed { 0 } else { c.hidden_size };
+    check_step(&work, hidden, c.max_position_embeddings, kv_blocks)?;
     let positions: Vec<usize> = work.positions.iter().map(|&p| p as usize).collect();
     let seqs: Vec<SeqSlice> = work
         .seqs
@@ -179,14 +229,20 @@ fn run_step(
         seqs: &seqs,
     };
     cache.set_tables(work.tables);
-    let mut x = ferrite_kernels::buffers::Buf::from_vec(work.hidden);
-    let part = model.part().clone();
-    rayon::scope(|_| model.run_layers(part.layers.clone(), &batch, cache, &mut x))?;
-    if part.head {
-        let logits = rayon::scope(|_| model.head(x, &work.rows))?;
-        return Ok((logits.values().to_vec(), true));
-    }
-    Ok((x.to_vec(), false))
+    let hidden = work.hidden;
+    let (rows, head) = (&work.rows, part.head);
+    let out = rayon::scope(|_| -> Result<Vec<f32>> {
+        let mut x = match part.embed {
+            true => model.embed(&batch)?,
+            false => ferrite_kernels::buffers::Buf::from_vec(hidden),
+        };
+        model.run_layers(part.layers.clone(), &batch, cache, &mut x)?;
+        match head {
+            true => Ok(model.head(x, rows)?.values().to_vec()),
+            false => Ok(x.to_vec()),
+        }
+    })?;
+    Ok((out, head))
 }
 
 /// Refuses a step whose parts disagree or that names positions or blocks this stage does

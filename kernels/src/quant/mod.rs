@@ -296,6 +296,21 @@ impl QuantMatrix {
         })
     }
 
+    /// Rows `rows` of the matrix as a matrix of their own (a tensor-parallel rank's share
+    /// of a projection); each row's products are those of the same row in the whole.
+    pub fn select_rows(&self, rows: Range<usize>) -> Option<Self> {
+        if rows.start > rows.end || rows.end > self.rows {
+            return None;
+        }
+        let stride = self.data.len() / self.rows.max(1);
+        Some(QuantMatrix {
+            format: self.format,
+            rows: rows.len(),
+            cols: self.cols,
+            data: Bytes::Own(self.data[rows.start * stride..rows.end * stride].to_vec()),
+        })
+    }
+
     /// Moves the matrices' bytes into one arena backed by huge pages ([`HugePages`]): a
     /// step streams every weight, and small pages would make it wait on page walks. Values
     /// and results are unchanged.

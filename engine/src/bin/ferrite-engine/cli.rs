@@ -146,6 +146,10 @@ pub struct GroupArgs {
     /// A rank the leader started on this host: secret on stdin, exits when stdin closes.
     #[arg(long, hide = true)]
     pub group_child: bool,
+    /// A tensor-parallel rank (1 or more) its stage's rank 0 started: the shared memory's
+    /// path on stdin, exits when stdin closes.
+    #[arg(long, hide = true, default_value_t = 0)]
+    pub tensor_rank: usize,
 }
 
 impl GroupArgs {
@@ -165,6 +169,9 @@ impl GroupArgs {
         ];
         if let Some(f) = &self.group_secret_file {
             out.extend(["--group-secret-file".into(), f.display().to_string()]);
+        }
+        if self.tensor_rank > 0 {
+            out.extend(["--tensor-rank".into(), self.tensor_rank.to_string()]);
         }
         for (on, flag) in [
             (self.headless, "--headless"),
@@ -206,6 +213,7 @@ impl LoadArgs {
         LoadOptions {
             quantization: self.quantization,
             stage: None,
+            tensor: None,
         }
     }
 }
@@ -282,8 +290,9 @@ pub struct SchedulerArgs {
     /// Longest prompt plus completion; default: the model's context length.
     #[arg(long, env = "FERRITE_MAX_MODEL_LEN")]
     pub max_model_len: Option<usize>,
-    /// Devices to split the model across within a node (only 1 is supported yet; larger
-    /// values are refused at startup).
+    /// Tensor-parallel ranks per pipeline stage, all on one host: each a process holding
+    /// 1/T of every layer (attention heads, MLP rows, vocabulary rows), exchanging
+    /// activations through shared memory; it must divide the model's KV heads.
     #[arg(long, default_value_t = 1)]
     pub tensor_parallel_size: usize,
     /// Pipeline stages to split the model into, each a process holding a contiguous range

@@ -1,7 +1,8 @@
-//! `serve` as a rank of a pipeline-parallel group: which rank this process is, the ranks
-//! the leader starts itself on one host (child processes of this binary that exit when
-//! the leader does), and a worker rank's life — load its stage, join, run steps — with
-//! `/health` for its probes when it runs on a host of its own.
+//! `serve` as a rank of a model-parallel group: which rank this process is, the ranks
+//! started on this host (child processes of this binary that exit when their parent does:
+//! the leader starts the pipeline stages, each stage's tensor rank 0 its tensor peers), and
+//! a worker rank's life — load its share, join, run steps — with `/health` for its probes
+//! when it runs on a host of its own.
 
 use std::io::{BufRead, Read, Write};
 use std::net::TcpListener;
@@ -14,7 +15,7 @@ use std::time::Duration;
 use ferrite_engine::engine::EngineConfig;
 use ferrite_engine::error::{ConfigError, Error, Result};
 use ferrite_engine::model::LoadOptions;
-use ferrite_engine::parallel::{RankSpec, Secret, SECRET_ENV};
+use ferrite_engine::parallel::{tensor, RankSpec, Secret, TensorPeers, SECRET_ENV};
 
 use crate::cli::{GroupArgs, ServeArgs};
 
@@ -27,6 +28,8 @@ pub enum Role {
     Leader,
     /// A stage other than the first.
     Worker,
+    /// A tensor-parallel rank other than a stage's first, started by that rank.
+    TensorPeer,
 }
 
 fn flag_error(what: &str, message: String) -> Error {
@@ -41,6 +44,28 @@ fn flag_error(what: &str, message: String) -> Error {
 pub fn role(args: &ServeArgs) -> Result<Role> {
     let g = &args.group;
     let stages = args.scheduler.pipeline_parallel_size;
+    let tensor = args.scheduler.tensor_parallel_size;
+    if g.tensor_rank > 0 {
+        if g.tensor_rank >= tensor {
+            return Err(flag_error(
+                &format!("--tensor-rank {}", g.tensor_rank),
+                format!("must be below --tensor-parallel-size {tensor}"),
+            ));
+        }
+        return Ok(Role::TensorPeer);
+    }
+    if stages <= 1 && tensor > 1 {
+        if g.nnodes != 1 || g.node_rank != 0 || g.headless || g.group_child {
+            return Err(flag_error(
+                "--nnodes/--node-rank/--headless",
+                "tensor-parallel ranks all run on one host, which the leader starts itself; \
+                 to span hosts, split the model into pipeline stages, one per host \
+                 (--pipeline-parallel-size equal to --nnodes)"
+                    .into(),
+            ));
+        }
+        return Ok(Role::Leader);
+    }
     if stages <= 1 {
         if g.nnodes != 1 || g.node_rank != 0 || g.headless || g.group_child {
             return Err(flag_error(
@@ -116,6 +141,73 @@ fn threads_per_rank(ranks: usize) -> usize {
     (total / ranks.max(1)).max(1)
 }
 
+/// Ranks this process started, each ended (its stdin closed, then waited for) when this is
+/// dropped.
+#[derive(Default)]
+pub struct Children(Vec<(Child, ChildStdin)>);
+
+impl Drop for Children {
+    fn drop(&mut self) {
+        for (child, stdin) in self.0.drain(..) {
+            drop(stdin);
+            let mut child = child;
+            let _ = child.wait();
+        }
+    }
+}
+
+impl Children {
+    /// Starts this binary again with this process's flags and `extra`, given `threads`
+    /// threads and `line` on its stdin; `what` names it in errors.
+    fn start(&mut self, what: &str, extra: &[String], threads: usize, line: &[u8]) -> Result<u32> {
+        let exe = std::env::current_exe()?;
+        let mut child = Command::new(&exe)
+            .args(std::env::args_os().skip(1))
+            .args(extra)
+            .env("RAYON_NUM_THREADS", threads.to_string())
+            .env_remove(SECRET_ENV)
+            .stdin(Stdio::piped())
+            .spawn()
+            .map_err(|e| Error::Group(format!("cannot start {what}: {e}")))?;
+        let mut stdin = child
+            .stdin
+            .take()
+            .ok_or_else(|| Error::Group(format!("{what} has no stdin")))?;
+        stdin.write_all(line)?;
+        stdin.write_all(b"\n")?;
+        stdin.flush()?;
+        let pid = child.id();
+        self.0.push((child, stdin));
+        Ok(pid)
+    }
+
+    /// With tensor parallelism, starts tensor ranks `1..` of this process's stage with
+    /// `threads` threads each, and says how tensor rank 0 reaches them.
+    fn start_tensor_peers(
+        &mut self,
+        args: &ServeArgs,
+        threads: usize,
+    ) -> Result<Option<TensorPeers>> {
+        let size = args.scheduler.tensor_parallel_size;
+        if size <= 1 {
+            return Ok(None);
+        }
+        let region = tensor::region_path();
+        let line = region.as_os_str().as_encoded_bytes().to_vec();
+        let mut pids = Vec::new();
+        for t in 1..size {
+            let extra = ["--tensor-rank".to_string(), t.to_string()];
+            pids.push(self.start(&format!("tensor rank {t}"), &extra, threads, &line)?);
+        }
+        tracing::info!(
+            "started {} more tensor ranks of stage {} on this host, {threads} threads each",
+            size - 1,
+            args.group.node_rank
+        );
+        Ok(Some(TensorPeers { region, pids }))
+    }
+}
+
 /// The leader's side of a group before its model loads: the listener ranks join, what
 /// they must agree on, and the ranks it started (whose stdin closes when it exits).
 pub struct Leader {
@@ -123,18 +215,9 @@ pub struct Leader {
     pub listener: TcpListener,
     /// The group's settings.
     pub spec: RankSpec,
-    children: Vec<(Child, ChildStdin)>,
-}
-
-impl Drop for Leader {
-    fn drop(&mut self) {
-        // Closing their stdin ends the ranks this process started.
-        for (child, stdin) in self.children.drain(..) {
-            drop(stdin);
-            let mut child = child;
-            let _ = child.wait();
-        }
-    }
+    /// How the leader reaches its own stage's tensor ranks.
+    pub tensor: Option<TensorPeers>,
+    _children: Children,
 }
 
 fn spec(
@@ -163,6 +246,8 @@ pub fn start_leader(
 ) -> Result<Leader> {
     let g = &args.group;
     let stages = args.scheduler.pipeline_parallel_size;
+    let tensor = args.scheduler.tensor_parallel_size;
+    let mut children = Children::default();
     if g.nnodes > 1 {
         let secret = configured_secret(g)?;
         let listener = TcpListener::bind(("0.0.0.0", g.master_port)).map_err(|e| {
@@ -171,55 +256,91 @@ pub fn start_leader(
                 g.master_port
             ))
         })?;
+        let threads = threads_per_rank(tensor);
+        let _ = rayon::ThreadPoolBuilder::new()
+            .num_threads(threads)
+            .build_global();
+        let tensor = children.start_tensor_peers(args, threads)?;
         return Ok(Leader {
             listener,
             spec: spec(args, model, engine, load, secret),
-            children: Vec::new(),
+            tensor,
+            _children: children,
         });
     }
     let listener = TcpListener::bind("127.0.0.1:0")?;
     let port = listener.local_addr()?.port();
-    let threads = threads_per_rank(stages);
+    let threads = threads_per_rank(stages * tensor);
     let _ = rayon::ThreadPoolBuilder::new()
         .num_threads(threads)
         .build_global();
     let secret = Secret::random();
-    let exe = std::env::current_exe()?;
-    let mut children = Vec::new();
     for rank in 1..stages {
-        let mut child = Command::new(&exe)
-            .args(std::env::args_os().skip(1))
-            .args(["--node-rank", &rank.to_string()])
-            .args([
-                "--master-addr",
-                "127.0.0.1",
-                "--master-port",
-                &port.to_string(),
-            ])
-            .args(["--headless", "--group-child"])
-            .env("RAYON_NUM_THREADS", threads.to_string())
-            .env_remove(SECRET_ENV)
-            .stdin(Stdio::piped())
-            .spawn()
-            .map_err(|e| Error::Group(format!("cannot start rank {rank}: {e}")))?;
-        let mut stdin = child
-            .stdin
-            .take()
-            .ok_or_else(|| Error::Group(format!("rank {rank} has no stdin")))?;
-        stdin.write_all(secret.bytes())?;
-        stdin.write_all(b"\n")?;
-        stdin.flush()?;
-        children.push((child, stdin));
+        let extra: Vec<String> = [
+            "--node-rank",
+            &rank.to_string(),
+            "--master-addr",
+            "127.0.0.1",
+            "--master-port",
+            &port.to_string(),
+            "--headless",
+            "--group-child",
+        ]
+        .map(String::from)
+        .into();
+        children.start(&format!("rank {rank}"), &extra, threads, secret.bytes())?;
     }
-    tracing::info!(
-        "started {} more pipeline ranks on this host, {threads} threads each",
-        stages - 1
-    );
+    if stages > 1 {
+        tracing::info!(
+            "started {} more pipeline ranks on this host, {threads} threads each",
+            stages - 1
+        );
+    }
+    let tensor = children.start_tensor_peers(args, threads)?;
     Ok(Leader {
         listener,
         spec: spec(args, model, engine, load, secret),
-        children,
+        tensor,
+        _children: children,
     })
+}
+
+/// The first line its parent wrote on stdin, after which this process exits as soon as the
+/// parent does (however it exits: stdin then reaches its end).
+fn parent_line() -> Result<String> {
+    let mut stdin = std::io::stdin().lock();
+    let mut line = String::new();
+    stdin.read_line(&mut line)?;
+    drop(stdin);
+    std::thread::spawn(|| {
+        let mut rest = Vec::new();
+        let _ = std::io::stdin().lock().read_to_end(&mut rest);
+        eprintln!("error: the rank that started this one has exited; this rank stops");
+        std::process::exit(1);
+    });
+    Ok(line.trim_end_matches('\n').to_string())
+}
+
+/// Runs this process as tensor rank `--tensor-rank` of stage `--node-rank`: the shared
+/// memory's path from its stage's rank 0 on stdin, then every step rank 0 passes on until
+/// it shuts the group down. Returns an error when a rank of the stage is lost.
+pub fn run_tensor_peer(
+    args: &ServeArgs,
+    model: &Path,
+    engine: &EngineConfig,
+    load: LoadOptions,
+) -> Result<()> {
+    let g = &args.group;
+    let region = std::path::PathBuf::from(parent_line()?);
+    // The peers of a stage meet in shared memory, not over the network: no secret is used.
+    let spec = spec(args, model, engine, load, Secret::random());
+    spec.run_tensor_peer(g.node_rank, g.tensor_rank, &region)?;
+    tracing::info!(
+        "stage {} shut its tensor group down; tensor rank {} exits",
+        g.node_rank,
+        g.tensor_rank
+    );
+    Ok(())
 }
 
 /// Runs this process as worker rank `--node-rank`: its secret (from the leader on stdin,
@@ -232,22 +353,22 @@ pub fn run_worker(
     load: LoadOptions,
 ) -> Result<()> {
     let g = &args.group;
-    let secret = if g.group_child {
-        let mut stdin = std::io::stdin().lock();
-        let mut line = String::new();
-        stdin.read_line(&mut line)?;
-        let secret = Secret::new(line.as_bytes())?;
+    let secret = match g.group_child {
         // The leader holds the other end: when it exits, however it exits, so does this.
-        std::thread::spawn(|| {
-            let mut rest = Vec::new();
-            let _ = std::io::stdin().lock().read_to_end(&mut rest);
-            eprintln!("error: the group's leader has exited; this rank stops");
-            std::process::exit(1);
-        });
-        secret
-    } else {
-        configured_secret(g)?
+        true => Secret::new(parent_line()?.as_bytes())?,
+        false => configured_secret(g)?,
     };
+    // A child of the leader was given its threads; a host of its own divides its threads
+    // among the stage's tensor ranks.
+    let threads = threads_per_rank(match g.group_child {
+        true => 1,
+        false => args.scheduler.tensor_parallel_size,
+    });
+    let _ = rayon::ThreadPoolBuilder::new()
+        .num_threads(threads)
+        .build_global();
+    let mut children = Children::default();
+    let peers = children.start_tensor_peers(args, threads)?;
     let joined = Arc::new(AtomicBool::new(false));
     if !g.group_child {
         serve_health(&args.server.host, args.server.port, Arc::clone(&joined))?;
@@ -256,8 +377,11 @@ pub fn run_worker(
     let leader = format!("{}:{}", g.master_addr, g.master_port);
     let spec = spec(args, model, engine, load, secret);
     let flag = Arc::clone(&joined);
-    let result = spec.run_worker(rank, &leader, move || flag.store(true, Ordering::Release));
+    let result = spec.run_worker(rank, &leader, peers.as_ref(), move || {
+        flag.store(true, Ordering::Release)
+    });
     joined.store(false, Ordering::Release);
+    drop(children);
     match result {
         Ok(()) => {
             tracing::info!("the leader shut the group down; rank {rank} exits");

@@ -130,8 +130,12 @@ fn serve(args: ServeArgs) -> Result<()> {
     let engine_config = engine_config(&args.cache, &args.scheduler);
     let load_options = args.load.options();
     let role = group::role(&args)?;
-    if role == Role::Worker {
-        return group::run_worker(&args, &model_path, &engine_config, load_options);
+    match role {
+        Role::Worker => return group::run_worker(&args, &model_path, &engine_config, load_options),
+        Role::TensorPeer => {
+            return group::run_tensor_peer(&args, &model_path, &engine_config, load_options)
+        }
+        Role::Single | Role::Leader => {}
     }
     // The group's listener and ranks exist before the API does, so a port conflict or a
     // rank that cannot start fails startup at once.
@@ -167,7 +171,7 @@ fn serve(args: ServeArgs) -> Result<()> {
         let load_state = Arc::clone(&state);
         let _group = tokio::task::spawn_blocking(move || -> Result<Option<group::Leader>> {
             let (engine, tokenizer) = match &leader {
-                Some(l) => l.spec.start_leader(&l.listener)?,
+                Some(l) => l.spec.start_leader(&l.listener, l.tensor.as_ref())?,
                 None => {
                     let loaded =
                         ferrite_engine::model::load_with(&model_path, &Device::Cpu, &load_options)?;

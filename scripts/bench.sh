@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # make bench, over HTTP: Ferrite serving the default model, measured by ferrite-bench at
 # concurrency 1, 4, 16 and 64 (128-token prompts, 128 output tokens), at Poisson request
-# rates, on the mixed chat-like workload, as two pipeline stages at concurrency 1 and 16,
+# rates, on the mixed chat-like workload, as two pipeline stages and as three tensor-parallel
+# ranks at concurrency 1 and 16,
 # and with --max-num-seqs 1 (no batching: the naive baseline); closed-loop levels of the fixed workload run $REPEAT times (median and range).
 # Results go to bench/results/results.json; the report and plots next to it.
 set -euo pipefail
@@ -24,6 +25,13 @@ stop_server
 start_server "$LOGS/ferrite-pp2.log" "${SERVE[@]}" --max-num-seqs 64 --pipeline-parallel-size 2
 "$BENCH" run --url "$URL" --label "ferrite --pipeline-parallel-size 2" --results "$RESULTS" --workload "$WORKLOAD" --concurrency 1,16 --repeat "$REPEAT"
 curl -s "$URL/metrics" | grep '^ferrite:pipeline_stage' >> "$LOGS/ferrite-pp2.log" || true
+stop_server
+
+# Tensor parallel: the default model's 3 KV heads split among 3 ranks (its only split), the
+# two cores' threads among them; the leader's collective seconds go to the log.
+start_server "$LOGS/ferrite-tp3.log" "${SERVE[@]}" --max-num-seqs 64 --tensor-parallel-size 3
+"$BENCH" run --url "$URL" --label "ferrite --tensor-parallel-size 3" --results "$RESULTS" --workload "$WORKLOAD" --concurrency 1,16 --repeat "$REPEAT"
+curl -s "$URL/metrics" | grep -E '^ferrite:(pipeline_stage|tensor_parallel)' >> "$LOGS/ferrite-tp3.log" || true
 stop_server
 
 start_server "$LOGS/ferrite-naive.log" "${SERVE[@]}" --max-num-seqs 1

@@ -52,13 +52,6 @@ def test_hf_sources_are_refused_locally_with_what_to_do(tmp_path):
     assert "file:///abs/path" in r.stderr and "hf://HuggingFaceTB/SmolLM2-135M-Instruct" in r.stderr
 
 
-def test_model_parallelism_above_one_is_refused_at_startup():
-    r = subprocess.run([BIN, "serve", "--model", MODEL, "--tensor-parallel-size", "2", "--port", str(free_port())],
-                       capture_output=True, text=True, timeout=60)
-    assert r.returncode == 1
-    assert "--tensor-parallel-size 2" in r.stderr and "not built yet" in r.stderr
-
-
 def test_a_gpu_device_is_refused_at_startup_saying_the_engine_computes_on_cpu():
     r = subprocess.run([BIN, "serve", "--model", MODEL, "--device", "cuda", "--port", str(free_port())],
                        capture_output=True, text=True, timeout=60)

@@ -92,6 +92,16 @@ def alive(pid: int) -> bool:
         return False
 
 
+def counter(url: str, name: str, label: str) -> float:
+    """The value of series `name` with `label` in `url`'s /metrics (-1 when absent)."""
+    with urllib.request.urlopen(url + "/metrics", timeout=5) as r:
+        text = r.read().decode()
+    for line in text.splitlines():
+        if line.startswith(name + "{") and label in line:
+            return float(line.rsplit(" ", 1)[1])
+    return -1.0
+
+
 class Rank:
     """One `serve` process started by hand with `args`; `url` serves its HTTP."""
 
@@ -136,12 +146,9 @@ def test_two_local_stages_serve_one_processes_tokens_each_holding_its_share(refe
         for pid in (group.proc.pid, child):
             assert rss_bytes(pid) < whole_rss - 0.25 * weights, (pid, rss_bytes(pid), whole_rss)
         assert all_at_once(group.url) == reference
-        with urllib.request.urlopen(group.url + "/metrics", timeout=5) as r:
-            text = r.read().decode()
-        steps = [line for line in text.splitlines()
-                 if line.startswith("ferrite:pipeline_stage_steps_total") and 'stage="1"' in line]
-        assert steps and float(steps[0].rsplit(" ", 1)[1]) > 0, text
-        assert "ferrite:pipeline_stage_transfer_seconds_total" in text
+        assert counter(group.url, "ferrite:pipeline_stage_steps_total", 'stage="1"') > 0
+        assert counter(group.url, "ferrite:pipeline_stage_transfer_seconds_total", 'stage="1"') >= 0
+        assert counter(group.url, "ferrite:tensor_parallel_collectives_total", 'stage="0"') == -1
         # The leader killed outright: the rank it started notices and exits.
         group.stop(signal.SIGKILL)
         wait_for(lambda: not alive(child), "the child rank outlived its leader", 20)
@@ -190,6 +197,8 @@ def test_three_local_tensor_ranks_serve_one_processes_tokens_each_holding_its_sh
         for pid in (group.proc.pid, *peers):
             assert rss_bytes(pid) < whole_rss - 0.5 * weights, (pid, rss_bytes(pid), whole_rss)
         assert all_at_once(group.url) == reference
+        assert counter(group.url, "ferrite:tensor_parallel_collectives_total", 'stage="0"') > 0
+        assert counter(group.url, "ferrite:tensor_parallel_collective_seconds_total", 'stage="0"') > 0
         # A tensor rank killed mid-stream: the request ends with an error, /health turns
         # 500, and the other rank stops too.
         events = stream_and_kill(group.url, lambda: os.kill(peers[1], signal.SIGKILL))
@@ -199,6 +208,31 @@ def test_three_local_tensor_ranks_serve_one_processes_tokens_each_holding_its_sh
         assert f"lost tensor rank 2 (pid {peers[1]})" in group.output()
     finally:
         group.stop(signal.SIGKILL)
+
+
+def test_two_stages_of_two_tensor_ranks_each_serve_one_processes_tokens():
+    # A tiny GQA model (2 KV heads): the leader starts stage 1, and each stage's rank 0 its
+    # own tensor rank, so four processes serve, with a single process's tokens.
+    tiny = str(ROOT / "tests" / "fixtures" / "tiny" / "tiny-Q4_K_M.gguf")
+    flags = ("--model", tiny, "--max-model-len", "64")
+    whole = Server(*flags)
+    group = Server(*flags, "--tensor-parallel-size", "2", "--pipeline-parallel-size", "2")
+    try:
+        ranks = children(group.proc.pid)
+        assert len(ranks) == 2, ranks
+        grandchildren = [c for pid in ranks for c in children(pid)]
+        assert len(grandchildren) == 1, "stage 1 started its own tensor rank"
+        ranks += grandchildren
+        want = [complete(whole.url, p, 16) for p in PROMPTS]
+        with ThreadPoolExecutor(len(PROMPTS)) as pool:
+            got = list(pool.map(lambda p: complete(group.url, p, 16), PROMPTS))
+        assert got == want
+        assert counter(group.url, "ferrite:pipeline_stage_steps_total", 'stage="1"') > 0
+    finally:
+        whole.stop()
+        group.stop()
+    for pid in ranks:
+        wait_for(lambda: not alive(pid), "a rank outlived its group", 20)
 
 
 def test_tensor_ranks_exit_when_their_leader_is_killed():

@@ -211,6 +211,13 @@ pub struct StageStats {
     pub bytes_sent: u64,
     /// Bytes received from it.
     pub bytes_received: u64,
+    /// Tensor-parallel collectives its tensor rank 0 ran (the leader's stage only).
+    pub collectives: u64,
+    /// Seconds those collectives took: copying through shared memory and waiting for the
+    /// stage's other tensor ranks.
+    pub collective_seconds: f64,
+    /// Bytes those collectives copied to and from shared memory.
+    pub collective_bytes: u64,
 }
 
 /// The leader's view of the stages: its own part of the model, then each remote stage in
@@ -278,6 +285,14 @@ impl Pipeline {
             }
         })?;
         self.record(0, |s| s.compute_seconds += started.elapsed().as_secs_f64());
+        if let Some(group) = model.tensor_group() {
+            let c = group.stats();
+            self.record(0, |s| {
+                s.collectives = c.collectives;
+                s.collective_seconds = c.seconds;
+                s.collective_bytes = c.bytes;
+            });
+        }
         let x = match x {
             Ok(x) => x,
             Err(logits) => {

@@ -215,7 +215,8 @@ impl Metrics {
 
     /// Each pipeline stage's counters (none without a group), labelled `stage`: steps,
     /// compute and transfer seconds, bytes each way — the stage with the most compute
-    /// seconds bounds the pipeline, transfer seconds are what the hops cost.
+    /// seconds bounds the pipeline, transfer seconds are what the hops cost — and, with
+    /// tensor parallelism, the leader's stage's collectives.
     fn render_stages(&self, stages: &[StageStats], out: &mut String) {
         use std::fmt::Write;
         type Field = fn(&StageStats) -> f64;
@@ -247,18 +248,46 @@ impl Metrics {
                 |s| s.bytes_received as f64,
             ),
         ];
+        let tensor: [(&str, &str, Field); 3] = [
+            (
+                "ferrite:tensor_parallel_collectives_total",
+                "Collectives (gathers and step broadcasts through shared memory) the stage's \
+                 tensor rank 0 ran.",
+                |s| s.collectives as f64,
+            ),
+            (
+                "ferrite:tensor_parallel_collective_seconds_total",
+                "Seconds those collectives took: copying through shared memory and waiting for \
+                 the stage's other tensor ranks.",
+                |s| s.collective_seconds,
+            ),
+            (
+                "ferrite:tensor_parallel_collective_bytes_total",
+                "Bytes those collectives copied to and from shared memory.",
+                |s| s.collective_bytes as f64,
+            ),
+        ];
         if stages.is_empty() {
             return;
         }
         let name = self.model_name.replace('\\', "\\\\").replace('"', "\\\"");
-        for (metric, help, field) in series {
+        // Collectives are counted where the leader sees them: its own stage's.
+        let tensor_stages = stages.iter().any(|s| s.collectives > 0);
+        let tensor = tensor.iter().filter(|_| tensor_stages);
+        for (&(metric, help, field), all) in series
+            .iter()
+            .map(|s| (s, true))
+            .chain(tensor.map(|s| (s, false)))
+        {
             let _ = writeln!(out, "# HELP {metric} {help}\n# TYPE {metric} counter");
             for (i, s) in stages.iter().enumerate() {
-                let _ = writeln!(
-                    out,
-                    "{metric}{{model_name=\"{name}\",stage=\"{i}\"}} {}",
-                    field(s)
-                );
+                if all || s.collectives > 0 {
+                    let _ = writeln!(
+                        out,
+                        "{metric}{{model_name=\"{name}\",stage=\"{i}\"}} {}",
+                        field(s)
+                    );
+                }
             }
         }
     }

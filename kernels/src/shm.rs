@@ -38,10 +38,40 @@ pub fn shared_dir() -> PathBuf {
     }
 }
 
+/// Bytes free to an unprivileged writer on the filesystem holding `dir`, if it can be told.
+pub fn free_bytes(dir: &Path) -> Option<u64> {
+    use std::os::unix::ffi::OsStrExt;
+    let c = std::ffi::CString::new(dir.as_os_str().as_bytes()).ok()?;
+    // SAFETY: `statvfs` fills the zeroed struct it is given from a NUL-terminated path that
+    // lives across the call; the result is checked before the struct is read.
+    let stat = unsafe {
+        let mut stat: libc::statvfs = std::mem::zeroed();
+        (libc::statvfs(c.as_ptr(), &mut stat) == 0).then_some(stat)
+    }?;
+    Some(stat.f_bavail as u64 * stat.f_frsize as u64)
+}
+
 impl SharedRegion {
     /// Creates the file `path` (which must not exist; readable and writable by this user
     /// only) of `len` bytes, zeroed, and maps it.
     pub fn create(path: &Path, len: usize) -> io::Result<Self> {
+        // A mapping beyond what the filesystem can hold faults when first touched (SIGBUS),
+        // so a region that cannot fit is refused now, with the sizes.
+        let dir = path.parent().unwrap_or(Path::new("/"));
+        if let Some(free) = free_bytes(dir) {
+            if free < len as u64 {
+                return Err(io::Error::new(
+                    io::ErrorKind::StorageFull,
+                    format!(
+                        "needs {} MiB but {} has {} MiB free; give it more (in Kubernetes, an \
+                         emptyDir with medium: Memory mounted at /dev/shm)",
+                        len >> 20,
+                        dir.display(),
+                        free >> 20
+                    ),
+                ));
+            }
+        }
         let file = OpenOptions::new()
             .read(true)
             .write(true)
@@ -224,6 +254,10 @@ mod tests {
             SharedRegion::create(&path, 4096).is_err(),
             "never reuses a name"
         );
+        let huge = shared_dir().join(format!("ferrite-shm-huge-{}", std::process::id()));
+        let err = SharedRegion::create(&huge, usize::MAX >> 2).expect_err("cannot fit");
+        assert!(err.to_string().contains("MiB free"), "{err}");
+        assert!(!huge.exists());
         drop(b);
         drop(a);
         assert!(!path.exists(), "the creator removes the file");

@@ -148,6 +148,20 @@ fn gpu_tp2_pp2_hf_model_with_token() {
     let c = engine_container(&d);
     assert_eq!(c["resources"]["limits"]["nvidia.com/gpu"], json!("4"));
     assert_eq!(c["resources"]["limits"]["memory"], json!("200Gi"));
+    // Tensor ranks share memory through /dev/shm, memory-backed rather than 64 MiB.
+    let shm = c["volumeMounts"].as_array().and_then(|m| {
+        m.iter()
+            .find(|m| m["mountPath"] == json!("/dev/shm"))
+            .map(|m| m["name"].clone())
+    });
+    assert_eq!(shm, Some(json!("dshm")));
+    let volumes = &d["spec"]["template"]["spec"]["volumes"];
+    assert!(
+        volumes
+            .as_array()
+            .is_some_and(|v| v.contains(&json!({"name": "dshm", "emptyDir": {"medium": "Memory"}}))),
+        "{volumes}"
+    );
     let init = &d["spec"]["template"]["spec"]["initContainers"][0];
     assert_eq!(
         init["args"],

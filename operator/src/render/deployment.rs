@@ -182,6 +182,13 @@ pub fn deployment(
     // The engine may write scratch files; the root filesystem stays read-only.
     volumes.push(json!({"name": "tmp", "emptyDir": {}}));
     mounts.push(json!({"name": "tmp", "mountPath": "/tmp"}));
+    // Tensor-parallel ranks exchange activations through /dev/shm, which a container gets
+    // only 64 MiB of by default: give it memory-backed storage (counted against the pod's
+    // memory limit) instead.
+    if svc.spec.engine.tensor_parallel_size.unwrap_or(1) > 1 {
+        volumes.push(json!({"name": "dshm", "emptyDir": {"medium": "Memory"}}));
+        mounts.push(json!({"name": "dshm", "mountPath": "/dev/shm"}));
+    }
 
     let startup_failures = (startup_timeout_seconds(svc) + STARTUP_PERIOD - 1) / STARTUP_PERIOD;
     let rollout = svc.spec.rollout.clone();

@@ -84,6 +84,15 @@ def rss_bytes(pid: int) -> int:
     raise AssertionError(f"no RssAnon for {pid}")
 
 
+def one_process_rss() -> int:
+    """The resident memory of one fresh, idle process serving the whole model."""
+    whole = Server()
+    try:
+        return rss_bytes(whole.proc.pid)
+    finally:
+        whole.stop()
+
+
 def alive(pid: int) -> bool:
     try:
         with open(f"/proc/{pid}/stat") as f:
@@ -136,9 +145,7 @@ def test_two_local_stages_serve_one_processes_tokens_each_holding_its_share(refe
     # Memory first, every process idle and fresh: one process holds every layer; each rank
     # its half of the layers and one vocabulary-sized matrix (the tied embedding is the
     # first stage's input and the last stage's output).
-    whole = Server()
-    whole_rss = rss_bytes(whole.proc.pid)
-    whole.stop()
+    whole_rss = one_process_rss()
     group = Server("--pipeline-parallel-size", "2")
     try:
         [child] = children(group.proc.pid)
@@ -186,9 +193,7 @@ def assert_ended_by_error(events: list):
 def test_three_local_tensor_ranks_serve_one_processes_tokens_each_holding_its_share(reference):
     # The default model's 3 KV heads split into 3 ranks, each holding a third of every
     # matrix (the vocabulary's rows included): far less than the whole model.
-    whole = Server()
-    whole_rss = rss_bytes(whole.proc.pid)
-    whole.stop()
+    whole_rss = one_process_rss()
     group = Server("--tensor-parallel-size", "3")
     try:
         peers = children(group.proc.pid)

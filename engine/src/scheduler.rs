@@ -2,7 +2,9 @@
 //! decoding the running sequences, admits waiting ones first-come-first-served while the
 //! sequence, token and block budgets allow, splits long prompts into chunks, and — when a
 //! running sequence needs a block and none is left — preempts the most recently admitted
-//! sequence, which gives its blocks back and is recomputed later.
+//! sequence, which gives its blocks back and is recomputed later. A sequence in a step
+//! still in flight (a pipeline keeps several) is neither planned again nor preempted until
+//! that step completes.
 
 use std::cell::RefCell;
 use std::collections::VecDeque;
@@ -75,6 +77,8 @@ pub struct Sequence<E> {
     pub sink: E,
     blocks: BlockTable,
     hashes: Vec<u64>,
+    /// Planned in a step that has not completed.
+    in_flight: bool,
 }
 
 impl<E> Sequence<E> {
@@ -82,13 +86,22 @@ impl<E> Sequence<E> {
     pub fn blocks(&self) -> &[BlockId] {
         self.blocks.ids()
     }
+
+    /// Whether a step that computes this sequence's tokens has been planned and not yet
+    /// completed.
+    pub fn in_flight(&self) -> bool {
+        self.in_flight
+    }
 }
 
 /// One sequence's share of a step: `len` tokens starting at `start`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Scheduled {
-    /// Index into [`Scheduler::running`].
+    /// Index into [`Scheduler::running`] when the step was planned (later steps may move
+    /// it; [`Scheduler::index_of`] finds it again).
     pub index: usize,
+    /// The sequence's id.
+    pub id: u64,
     /// First position computed this step.
     pub start: usize,
     /// Number of tokens computed this step.
@@ -130,6 +143,7 @@ impl<E> Scheduler<E> {
             sink,
             blocks: BlockTable::new(&self.pool),
             hashes: Vec::new(),
+            in_flight: false,
         });
     }
 
@@ -195,6 +209,28 @@ impl<E> Scheduler<E> {
     /// Plans the next step: which sequences compute which tokens. Blocks for every planned
     /// token are allocated before this returns.
     pub fn schedule(&mut self) -> Vec<Scheduled> {
+        self.schedule_at_most(usize::MAX)
+    }
+
+    /// One of `steps` equal shares of the sequences that can run (those running and waiting,
+    /// at most `max_num_seqs`): what each of `steps` steps in flight at once takes, so that
+    /// every one finds sequences to run.
+    pub fn share(&self, steps: usize) -> usize {
+        let runnable = (self.running.len() + self.waiting.len()).min(self.config.max_num_seqs);
+        runnable.div_ceil(steps.max(1)).max(1)
+    }
+
+    /// [`Scheduler::schedule`] of at most `seqs` sequences, none of them in a step still in
+    /// flight; the planned ones are in flight until [`Scheduler::complete`].
+    pub fn schedule_at_most(&mut self, seqs: usize) -> Vec<Scheduled> {
+        let plan = self.plan(seqs.max(1));
+        for s in &plan {
+            self.running[s.index].in_flight = true;
+        }
+        plan
+    }
+
+    fn plan(&mut self, seqs: usize) -> Vec<Scheduled> {
         let mut budget = self.config.max_num_batched_tokens;
         // Logits rows of the step: one per sequence that completes its tokens, plus one per
         // prompt token scored for `prompt_logprobs`; scored tokens are held to what is left
@@ -203,8 +239,12 @@ impl<E> Scheduler<E> {
         let mut plan = Vec::new();
         let mut preempted = false;
         let mut i = 0;
-        while i < self.running.len() {
+        while i < self.running.len() && plan.len() < seqs {
             let seq = &self.running[i];
+            if seq.in_flight {
+                i += 1;
+                continue;
+            }
             let want = chunk(seq, budget, &mut rows);
             if want == 0 {
                 i += 1;
@@ -214,6 +254,7 @@ impl<E> Scheduler<E> {
             if self.grow(i, target) {
                 plan.push(Scheduled {
                     index: i,
+                    id: self.running[i].id,
                     start: self.running[i].computed,
                     len: want,
                 });
@@ -221,9 +262,13 @@ impl<E> Scheduler<E> {
                 i += 1;
                 continue;
             }
-            // Out of blocks: give back the newest sequence's, possibly this one's.
+            // Out of blocks: give back the newest sequence's not in flight (a step in
+            // flight still writes its blocks), possibly this one's.
             preempted = true;
-            let victim = self.running.len() - 1;
+            let victim = (i..self.running.len())
+                .rev()
+                .find(|&j| !self.running[j].in_flight)
+                .unwrap_or(i);
             self.preempt(victim);
             if victim == i {
                 break;
@@ -232,7 +277,7 @@ impl<E> Scheduler<E> {
         if preempted {
             return plan;
         }
-        while budget > 0 && self.running.len() < self.config.max_num_seqs {
+        while budget > 0 && self.running.len() < self.config.max_num_seqs && plan.len() < seqs {
             let Some(mut seq) = self.waiting.pop_front() else {
                 break;
             };
@@ -257,6 +302,7 @@ impl<E> Scheduler<E> {
             }
             plan.push(Scheduled {
                 index,
+                id: self.running[index].id,
                 start: self.running[index].computed,
                 len: want,
             });
@@ -265,10 +311,23 @@ impl<E> Scheduler<E> {
         plan
     }
 
-    /// Records that the planned tokens were computed.
+    /// Where the sequence `s` planned is in [`Scheduler::running`] now; `None` once it has
+    /// been removed (cancelled while its step was in flight).
+    pub fn index_of(&self, s: &Scheduled) -> Option<usize> {
+        match self.running.get(s.index) {
+            Some(seq) if seq.id == s.id => Some(s.index),
+            _ => self.running.iter().position(|seq| seq.id == s.id),
+        }
+    }
+
+    /// Records that the planned tokens were computed: their sequences may be planned again.
     pub fn complete(&mut self, plan: &[Scheduled]) {
         for s in plan {
-            self.running[s.index].computed = s.start + s.len;
+            if let Some(i) = self.index_of(s) {
+                let seq = &mut self.running[i];
+                seq.computed = s.start + s.len;
+                seq.in_flight = false;
+            }
         }
     }
 
@@ -437,6 +496,59 @@ mod tests {
     }
 
     #[test]
+    fn a_sequence_in_flight_is_neither_planned_again_nor_preempted() {
+        // Three blocks of 4: a 4-token prompt takes one, an 8-token prompt two.
+        let mut s = sched(3, 8, 64);
+        add(&mut s, 1, 4);
+        // Other tokens than the first prompt's, so no block is shared.
+        let prompt: Vec<u32> = (100..108).collect();
+        let state = SequenceState::new(&prompt, SamplingParams::greedy(8), &[]);
+        s.add(2, prompt, state, ());
+        let first = s.schedule_at_most(1);
+        assert_eq!(first.iter().map(|p| p.id).collect::<Vec<_>>(), [1]);
+        let second = s.schedule_at_most(8);
+        assert_eq!(second.iter().map(|p| p.id).collect::<Vec<_>>(), [2]);
+        assert!(s.schedule_at_most(8).is_empty(), "both are in flight");
+        // The first step completes; its sequence decodes into a fifth token, which needs a
+        // block none is left for. The newest sequence is in flight, so the one that needs
+        // the block gives its own back.
+        s.complete(&first);
+        s.running_mut(0).tokens.push(7);
+        assert!(s.schedule_at_most(8).is_empty());
+        assert_eq!(s.preemptions(), 1);
+        let running: Vec<(u64, usize)> = s
+            .running()
+            .iter()
+            .map(|q| (q.id, q.blocks().len()))
+            .collect();
+        assert_eq!(running, [(2, 2)], "the step in flight keeps its blocks");
+        // Its step completes where its sequence now is (it moved from index 1 to 0).
+        s.complete(&second);
+        assert_eq!(s.running()[0].computed, 8);
+        assert!(!s.running()[0].in_flight());
+    }
+
+    #[test]
+    fn steps_in_flight_share_the_sequences_that_can_run() {
+        let mut s = sched(64, 4, 64);
+        assert_eq!(
+            s.share(2),
+            1,
+            "even with nothing to run, a step may take one"
+        );
+        for id in 0..3 {
+            add(&mut s, id, 4);
+        }
+        assert_eq!(s.share(2), 2);
+        for id in 3..10 {
+            add(&mut s, id, 4);
+        }
+        // Ten requests, but only four may run at once: two each for two steps.
+        assert_eq!(s.share(2), 2);
+        assert_eq!(s.share(1), 4);
+    }
+
+    #[test]
     fn forgotten_prefixes_are_computed_again() {
         let mut s = sched(64, 8, 64);
         add(&mut s, 1, 10);
@@ -459,6 +571,7 @@ mod tests {
             plan,
             vec![Scheduled {
                 index: 0,
+                id: 1,
                 start: 0,
                 len: 3
             }]
@@ -473,11 +586,13 @@ mod tests {
             vec![
                 Scheduled {
                     index: 0,
+                    id: 1,
                     start: 3,
                     len: 1
                 },
                 Scheduled {
                     index: 1,
+                    id: 2,
                     start: 0,
                     len: 7
                 }
@@ -490,6 +605,7 @@ mod tests {
             plan[1],
             Scheduled {
                 index: 1,
+                id: 2,
                 start: 7,
                 len: 7
             }
@@ -513,6 +629,7 @@ mod tests {
             plan,
             vec![Scheduled {
                 index: 0,
+                id: 1,
                 start: 4,
                 len: 1
             }]
@@ -527,6 +644,7 @@ mod tests {
             plan,
             vec![Scheduled {
                 index: 0,
+                id: 2,
                 start: 4,
                 len: 1
             }]

@@ -171,6 +171,13 @@ fn same_as_one_process(model: &Path, tensor: usize, stages: usize, blocks: u64) 
         steps[0] > 0 && steps.iter().all(|&n| n == steps[0]),
         "{steps:?}"
     );
+    // Every stage had a step of its own to compute at once.
+    assert_eq!(
+        engine.stage_stats()[0].most_in_flight,
+        stages as u64,
+        "{:?}",
+        engine.stage_stats()
+    );
     drop(engine);
     for w in workers {
         w.join().expect("worker thread").expect("a clean shutdown");

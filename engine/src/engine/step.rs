@@ -109,6 +109,16 @@ struct StepInput {
     rows: Vec<u32>,
     /// Prompt tokens this step computes.
     prompt_tokens: u64,
+    /// Logits rows each planned sequence takes, in plan order.
+    rows_per_seq: Vec<usize>,
+}
+
+/// A step sent into the pipeline whose logits have not come back.
+#[derive(Debug)]
+struct InFlight {
+    plan: Vec<Scheduled>,
+    prompt_tokens: u64,
+    rows_per_seq: Vec<usize>,
 }
 
 /// What a step's output did to the sequences.
@@ -128,6 +138,8 @@ pub(super) struct EngineLoop {
     observer: Option<Box<dyn StepObserver>>,
     /// The other stages, when the model runs as a pipeline group.
     pipeline: Option<Pipeline>,
+    /// Steps sent through the pipeline, oldest first (at most one per stage).
+    in_flight: std::collections::VecDeque<InFlight>,
 }
 
 impl EngineLoop {
@@ -153,6 +165,7 @@ impl EngineLoop {
             shared,
             observer,
             pipeline,
+            in_flight: std::collections::VecDeque::new(),
         }
     }
 
@@ -225,27 +238,74 @@ impl EngineLoop {
         self.sched.add(req.id, req.prompt, state, sink);
     }
 
-    /// Plans, runs and applies one step; false when there was nothing to run.
+    /// Plans, runs and applies one step; false when there was nothing to run. Through a
+    /// pipeline of P stages it first fills the pipeline — up to P steps in flight, each over
+    /// about 1/P of the sequences and none in two — then applies the oldest.
     fn step(&mut self) -> Result<bool> {
-        let plan = self.sched.schedule();
-        if plan.is_empty() {
-            return Ok(false);
+        let Some(depth) = self.pipeline.as_ref().map(Pipeline::depth) else {
+            let plan = self.sched.schedule();
+            if plan.is_empty() {
+                return Ok(false);
+            }
+            self.mark_scheduled(&plan);
+            let mut input = self.gather(&plan);
+            let mut logits = self.execute(&mut input)?;
+            self.apply(plan, input.prompt_tokens, &input.rows_per_seq, &mut logits)?;
+            return Ok(true);
+        };
+        while self.in_flight.len() < depth {
+            // Each step takes its share of the sequences, so the next finds some to run.
+            let plan = self.sched.schedule_at_most(self.sched.share(depth));
+            if plan.is_empty() {
+                break;
+            }
+            self.mark_scheduled(&plan);
+            let input = self.gather(&plan);
+            self.send(&input)?;
+            self.in_flight.push_back(InFlight {
+                plan,
+                prompt_tokens: input.prompt_tokens,
+                rows_per_seq: input.rows_per_seq,
+            });
         }
-        self.mark_scheduled(&plan);
-        let mut input = self.gather(&plan);
-        let mut logits = self.execute(&mut input)?;
+        let Some(done) = self.in_flight.pop_front() else {
+            return Ok(false);
+        };
+        let vocab = self.model.model.config().vocab_size;
+        let pipeline = self
+            .pipeline
+            .as_mut()
+            .ok_or_else(|| Error::internal("a step in flight without a pipeline"))?;
+        let mut logits = pipeline.receive(vocab)?;
+        self.apply(
+            done.plan,
+            done.prompt_tokens,
+            &done.rows_per_seq,
+            &mut logits,
+        )?;
+        Ok(true)
+    }
+
+    /// Applies a completed step's logits to the sequences it planned that are still there.
+    fn apply(
+        &mut self,
+        plan: Vec<Scheduled>,
+        prompt_tokens: u64,
+        rows_per_seq: &[usize],
+        logits: &mut Logits,
+    ) -> Result<()> {
         self.sched.complete(&plan);
-        let out = self.update_from_output(&plan, &mut logits)?;
-        drop(logits);
+        let mut out = self.update_from_output(&plan, rows_per_seq, logits)?;
+        out.finished.sort_unstable();
         for index in out.finished.into_iter().rev() {
             drop(self.sched.finish(index));
         }
         if let Ok(mut st) = self.shared.stats.lock() {
             st.steps += 1;
             st.generated_tokens += out.generated;
-            st.computed_prompt_tokens += input.prompt_tokens;
+            st.computed_prompt_tokens += prompt_tokens;
         }
-        Ok(true)
+        Ok(())
     }
 
     /// Notes when each planned sequence was first scheduled; a started request gives its
@@ -276,6 +336,7 @@ impl EngineLoop {
                 cache_slot: slot,
             });
             input.tables.push(seq.blocks().to_vec());
+            let before = input.rows.len();
             input.rows.extend(
                 seq.sink
                     .scored_positions(s)
@@ -284,6 +345,7 @@ impl EngineLoop {
             if s.start + s.len == seq.tokens.len() {
                 input.rows.push((start + s.len - 1) as u32);
             }
+            input.rows_per_seq.push(input.rows.len() - before);
             input.prompt_tokens += seq.prompt_len.saturating_sub(s.start).min(s.len) as u64;
         }
         input
@@ -297,15 +359,28 @@ impl EngineLoop {
             seqs: &input.seqs,
         };
         let (model, cache) = (&self.model.model, &mut self.cache);
-        if let Some(pipeline) = self.pipeline.as_mut() {
-            cache.set_tables(input.tables.clone());
-            // Not inside the thread pool: the pipeline waits on other stages between its own
-            // layers, and a pool thread held while waiting is one no stage can compute on.
-            return pipeline.forward(model, &batch, &input.tables, cache.as_mut(), &input.rows);
-        }
         cache.set_tables(std::mem::take(&mut input.tables));
         // One injection into the thread pool per step; its workers run the whole forward.
         rayon::scope(|_| model.forward(&batch, cache.as_mut(), &input.rows))
+    }
+
+    /// Starts the step's tokens through the pipeline (the block tables go to every
+    /// stage's cache); its logits come back in order, after any step sent before it.
+    fn send(&mut self, input: &StepInput) -> Result<()> {
+        let batch = Batch {
+            tokens: &input.tokens,
+            positions: &input.positions,
+            seqs: &input.seqs,
+        };
+        let (model, cache) = (&self.model.model, &mut self.cache);
+        let pipeline = self
+            .pipeline
+            .as_mut()
+            .ok_or_else(|| Error::internal("a pipeline step without a pipeline"))?;
+        cache.set_tables(input.tables.clone());
+        // Not inside the thread pool: the pipeline waits on other stages, and a pool thread
+        // held while waiting is one no stage can compute on.
+        pipeline.send(model, &batch, &input.tables, cache.as_mut(), &input.rows)
     }
 
     /// Applies the logits to the planned sequences, in plan order: scores of prompt tokens,
@@ -314,12 +389,20 @@ impl EngineLoop {
     fn update_from_output(
         &mut self,
         plan: &[Scheduled],
+        rows_per_seq: &[usize],
         logits: &mut Logits,
     ) -> Result<StepOutput> {
         let mut rows = logits.rows_mut();
         let mut out = StepOutput::default();
-        for s in plan {
-            let seq = self.sched.running_mut(s.index);
+        for (s, &taken) in plan.iter().zip(rows_per_seq) {
+            // Cancelled while its step was in flight: its rows go unread.
+            let Some(index) = self.sched.index_of(s) else {
+                if taken > 0 {
+                    let _ = rows.nth(taken - 1);
+                }
+                continue;
+            };
+            let seq = self.sched.running_mut(index);
             let positions = seq.sink.scored_positions(s);
             if let Some(scores) = seq.sink.prompt_scores.as_mut() {
                 let k = seq.state.params().prompt_logprobs.unwrap_or(0);
@@ -350,7 +433,7 @@ impl EngineLoop {
             if let Some(reason) = step.finished {
                 let (p, n, c) = (seq.prompt_len, seq.tokens.len(), seq.cached_prompt_tokens);
                 seq.sink.finish(p, n, c, reason);
-                out.finished.push(s.index);
+                out.finished.push(index);
             }
         }
         Ok(out)

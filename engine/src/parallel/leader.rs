@@ -1,8 +1,10 @@
-//! The leader's side of a group: admitting ranks ([`form_group`]) and running each step
-//! through the stages ([`Pipeline`]).
+//! The leader's side of a group: admitting ranks ([`form_group`]) and running steps
+//! through the stages ([`Pipeline`]), up to one per stage at once.
 
+use std::collections::VecDeque;
 use std::io::{BufReader, BufWriter};
 use std::net::{TcpListener, TcpStream};
+use std::sync::mpsc::{sync_channel, Receiver, TryRecvError};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -205,7 +207,8 @@ pub struct StageStats {
     /// Seconds it spent computing them.
     pub compute_seconds: f64,
     /// Seconds its steps spent on the wire and in (de)serialising, both ways (zero for
-    /// the leader's own stage).
+    /// the leader's own stage): from when the stage could start a step (it was sent, or
+    /// the stage answered the step before it) to its answer, less its compute.
     pub transfer_seconds: f64,
     /// Bytes sent to it.
     pub bytes_sent: u64,
@@ -218,15 +221,47 @@ pub struct StageStats {
     pub collective_seconds: f64,
     /// Bytes those collectives copied to and from shared memory.
     pub collective_bytes: u64,
+    /// The most steps that were in flight through the pipeline at once (the leader's
+    /// stage only; at most one per stage).
+    pub most_in_flight: u64,
+}
+
+/// A remote stage as the pipeline drives it: frames go out on `writer`; a thread of its own
+/// reads every reply into `replies`, so a stage sending its reply never waits on the
+/// leader, which may be sending it the next step.
+#[derive(Debug)]
+struct Remote {
+    rank: usize,
+    report: StageReport,
+    writer: BufWriter<TcpStream>,
+    replies: Receiver<std::result::Result<(Message, usize), WireError>>,
+    /// When its last reply arrived: a step it received while busy starts no earlier.
+    last_reply: Instant,
+}
+
+/// A step sent into the pipeline whose logits have not come back yet.
+#[derive(Debug)]
+struct Flight {
+    /// The step as every stage receives it, without hidden states.
+    meta: StepWork,
+    /// Which remote stage holds it (an index into the remote stages).
+    at: usize,
+    /// When it was sent there.
+    sent: Instant,
+    /// The logits, when the leader's own stage is the last.
+    logits: Option<Logits>,
 }
 
 /// The leader's view of the stages: its own part of the model, then each remote stage in
-/// order. Dropping it tells every rank to shut down.
+/// order. Up to one step per stage is in flight at once ([`Pipeline::send`], then
+/// [`Pipeline::receive`] in the same order), so every stage can compute while the others
+/// do; the engine keeps the steps' sequences apart. Dropping it tells every rank to shut
+/// down.
 #[derive(Debug)]
 pub struct Pipeline {
-    members: Vec<Member>,
-    max_frame: usize,
+    remotes: Vec<Remote>,
     step: u64,
+    flights: VecDeque<Flight>,
     stats: Arc<Mutex<Vec<StageStats>>>,
 }
 
@@ -237,17 +272,43 @@ impl Pipeline {
     pub fn new(mut members: Vec<Member>, max_frame: usize) -> Self {
         members.sort_by_key(|m| m.rank);
         let stats = vec![StageStats::default(); members.len() + 1];
+        let depth = members.len() + 1;
+        let remotes = members
+            .into_iter()
+            .map(|m| {
+                // Each stage holds at most one step per stage in flight, so its replies
+                // are bounded by the depth (and one more for the error that ends it).
+                let (tx, replies) = sync_channel(depth + 1);
+                let mut reader = m.reader;
+                let _ = std::thread::Builder::new()
+                    .name(format!("ferrite-stage-{}", m.rank))
+                    .spawn(move || loop {
+                        let frame = wire::read_frame_sized(&mut reader, max_frame);
+                        let end = frame.is_err();
+                        if tx.send(frame).is_err() || end {
+                            return;
+                        }
+                    });
+                Remote {
+                    rank: m.rank,
+                    report: m.report,
+                    writer: m.writer,
+                    replies,
+                    last_reply: Instant::now(),
+                }
+            })
+            .collect();
         Pipeline {
-            members,
-            max_frame,
+            remotes,
             step: 0,
+            flights: VecDeque::new(),
             stats: Arc::new(Mutex::new(stats)),
         }
     }
 
     /// Each remote stage's rank and report, in rank order.
     pub fn reports(&self) -> impl Iterator<Item = (usize, &StageReport)> {
-        self.members.iter().map(|m| (m.rank, &m.report))
+        self.remotes.iter().map(|m| (m.rank, &m.report))
     }
 
     /// The stages' counters, shared with whoever renders them.
@@ -255,27 +316,41 @@ impl Pipeline {
         Arc::clone(&self.stats)
     }
 
-    /// Runs `batch` through every stage (call it outside the thread pool) — `model` (the leader's part: the embedding and
-    /// the first layers) here, then each rank's layers — and returns the logits of `rows`
-    /// from the last. `tables` are the sequences' block tables, which every stage's cache
-    /// reads; `cache` is the leader's.
-    pub fn forward(
+    /// How many steps may be in flight at once: one per stage.
+    pub fn depth(&self) -> usize {
+        self.remotes.len() + 1
+    }
+
+    /// Starts `batch` through the stages (call it outside the thread pool): `model` (the
+    /// leader's part — the embedding and the first layers) runs it here, then it goes to
+    /// the first remote stage while the leader plans the next. `tables` are the sequences'
+    /// block tables, which every stage's cache reads; `cache` is the leader's. Its logits
+    /// (of `rows`) come from [`Pipeline::receive`], in the order the steps were sent; the
+    /// caller keeps at most [`Pipeline::depth`] in flight.
+    pub fn send(
         &mut self,
         model: &Llama,
         batch: &Batch<'_>,
         tables: &[Vec<BlockId>],
         cache: &mut dyn PagedCache,
         rows: &[u32],
-    ) -> Result<Logits> {
+    ) -> Result<()> {
+        if self.flights.len() >= self.depth() {
+            return Err(Error::internal(format!(
+                "a step sent with {} already in flight through {} stages",
+                self.flights.len(),
+                self.depth()
+            )));
+        }
         self.step += 1;
         let started = Instant::now();
         let meta = self.step_meta(batch, tables, rows);
         if let Some(group) = model.tensor_group() {
             super::stage::broadcast_step(group, &meta)?;
         }
-        let local = self.members.is_empty();
+        let local = self.remotes.is_empty();
         // One injection into the thread pool for the local layers (and, alone, the head);
-        // the waits on other stages below hold no pool thread.
+        // waits on other stages hold no pool thread.
         let x = rayon::scope(|_| -> Result<std::result::Result<Buf, Logits>> {
             let mut x = model.embed(batch)?;
             model.run_layers(model.part().layers.clone(), batch, &mut *cache, &mut x)?;
@@ -283,7 +358,17 @@ impl Pipeline {
                 true => Ok(Err(model.head(x, rows)?)),
                 false => Ok(Ok(x)),
             }
-        })?;
+        });
+        let x = match (x, model.tensor_group()) {
+            (Ok(x), _) => x,
+            // The peers are somewhere in the same step: no later step could line up with
+            // theirs, so the group stops.
+            (Err(e), Some(group)) => {
+                group.fail();
+                return Err(Error::Group(format!("tensor rank 0 failed a step: {e}")));
+            }
+            (Err(e), None) => return Err(e),
+        };
         self.record(0, |s| s.compute_seconds += started.elapsed().as_secs_f64());
         if let Some(group) = model.tensor_group() {
             let c = group.stats();
@@ -293,80 +378,155 @@ impl Pipeline {
                 s.collective_bytes = c.bytes;
             });
         }
-        let x = match x {
-            Ok(x) => x,
-            Err(logits) => {
-                self.bump_steps();
-                return Ok(logits);
-            }
+        let (logits, hidden) = match x {
+            Err(logits) => (Some(logits), None),
+            Ok(x) => (None, Some(x.to_vec())),
         };
-        let mut hidden = x.to_vec();
-        drop(x);
-        let last = self.members.len();
-        for i in 0..last {
-            let hop = Instant::now();
-            let member = &mut self.members[i];
-            let rank = member.rank;
-            let lost = |e: WireError| {
-                Error::Group(format!("lost rank {rank} (pipeline stage {rank}): {e}"))
-            };
-            let work = StepWork {
-                hidden,
-                ..meta.clone()
-            };
-            let sent = wire::write_frame(&mut member.writer, &Message::Step(work)).map_err(lost)?;
-            let (reply, received) =
-                wire::read_frame_sized(&mut member.reader, self.max_frame).map_err(lost)?;
-            let (step, compute_ns, values, logits) = match reply {
-                Message::Hidden {
-                    step,
-                    compute_ns,
-                    values,
-                } => (step, compute_ns, values, false),
-                Message::Logits {
-                    step,
-                    compute_ns,
-                    values,
-                } => (step, compute_ns, values, true),
-                Message::Failed { reason, .. } => {
-                    return Err(Error::Group(format!("rank {rank} failed a step: {reason}")))
+        self.flights.push_back(Flight {
+            meta,
+            at: 0,
+            sent: Instant::now(),
+            logits,
+        });
+        if let Some(hidden) = hidden {
+            self.hand_on(self.flights.len() - 1, 0, hidden)?;
+        }
+        let n = self.flights.len() as u64;
+        self.record(0, |s| s.most_in_flight = s.most_in_flight.max(n));
+        Ok(())
+    }
+
+    /// Sends the step of flight `j` with `hidden` to remote stage `to`.
+    fn hand_on(&mut self, j: usize, to: usize, hidden: Vec<f32>) -> Result<()> {
+        let flight = &mut self.flights[j];
+        let remote = &mut self.remotes[to];
+        let rank = remote.rank;
+        let work = StepWork {
+            hidden,
+            ..flight.meta.clone()
+        };
+        let sent = wire::write_frame(&mut remote.writer, &Message::Step(work))
+            .map_err(|e| Error::Group(format!("lost rank {rank} (pipeline stage {rank}): {e}")))?;
+        flight.at = to;
+        flight.sent = Instant::now();
+        self.record(to + 1, |s| s.bytes_sent += sent as u64);
+        Ok(())
+    }
+
+    /// The logits (rows of `vocab`) of the oldest step in flight, once its last stage has
+    /// sent them; replies of later steps that arrive meanwhile are passed on to their next
+    /// stage. A stage answers its steps in the order it got them, so a reply belongs to
+    /// the oldest step in flight at that stage.
+    pub fn receive(&mut self, vocab: usize) -> Result<Logits> {
+        let oldest = self
+            .flights
+            .front_mut()
+            .ok_or_else(|| Error::internal("no pipeline step in flight to receive"))?;
+        if let Some(logits) = oldest.logits.take() {
+            self.flights.pop_front();
+            self.bump_steps();
+            return Ok(logits);
+        }
+        let last = self.remotes.len() - 1;
+        loop {
+            // Replies that have already come in go on to their next stage at once.
+            for i in 0..last {
+                while let Some(j) = self.flights.iter().position(|f| f.at == i) {
+                    match self.remotes[i].replies.try_recv() {
+                        Ok(reply) => {
+                            let values = self.accept(i, j, reply, false)?;
+                            self.hand_on(j, i + 1, values)?;
+                        }
+                        Err(TryRecvError::Empty) => break,
+                        Err(TryRecvError::Disconnected) => return Err(self.lost(i)),
+                    }
                 }
-                other => {
-                    return Err(Error::Group(format!(
-                        "rank {rank} answered a step with {}",
-                        kind(&other)
-                    )))
-                }
-            };
-            if step != self.step || logits != (i + 1 == last) {
+            }
+            let i = self.flights[0].at;
+            let reply = self.remotes[i].replies.recv().map_err(|_| self.lost(i))?;
+            let values = self.accept(i, 0, reply, i == last)?;
+            if i < last {
+                self.hand_on(0, i + 1, values)?;
+                continue;
+            }
+            let rows = self.flights[0].meta.rows.len();
+            if values.len() != rows * vocab {
                 return Err(Error::Group(format!(
-                    "rank {rank} answered step {step} with {} while step {} was in flight",
-                    if logits { "logits" } else { "hidden states" },
-                    self.step
+                    "rank {} sent {} logits for {rows} rows of {vocab}",
+                    self.remotes[i].rank,
+                    values.len(),
                 )));
             }
-            let compute = compute_ns as f64 * 1e-9;
-            self.record(i + 1, |s| {
-                s.compute_seconds += compute;
-                s.transfer_seconds += (hop.elapsed().as_secs_f64() - compute).max(0.0);
-                s.bytes_sent += sent as u64;
-                s.bytes_received += received as u64;
-            });
-            if logits {
-                let vocab = model.config().vocab_size;
-                if values.len() != rows.len() * vocab {
-                    return Err(Error::Group(format!(
-                        "rank {rank} sent {} logits for {} rows of {vocab}",
-                        values.len(),
-                        rows.len()
-                    )));
-                }
-                self.bump_steps();
-                return Ok(Logits::from_values(Buf::from_vec(values), vocab));
-            }
-            hidden = values;
+            self.flights.pop_front();
+            self.bump_steps();
+            return Ok(Logits::from_values(Buf::from_vec(values), vocab));
         }
-        Err(Error::Group("a pipeline without a last stage".into()))
+    }
+
+    fn lost(&self, i: usize) -> Error {
+        let rank = self.remotes[i].rank;
+        Error::Group(format!(
+            "lost rank {rank} (pipeline stage {rank}): its connection closed"
+        ))
+    }
+
+    /// Checks remote stage `i`'s reply to flight `j` (hidden states, or logits when
+    /// `logits`), counts it, and returns its values.
+    fn accept(
+        &mut self,
+        i: usize,
+        j: usize,
+        reply: std::result::Result<(Message, usize), WireError>,
+        logits: bool,
+    ) -> Result<Vec<f32>> {
+        let rank = self.remotes[i].rank;
+        let (reply, received) = reply
+            .map_err(|e| Error::Group(format!("lost rank {rank} (pipeline stage {rank}): {e}")))?;
+        let (step, compute_ns, values, got_logits) = match reply {
+            Message::Hidden {
+                step,
+                compute_ns,
+                values,
+            } => (step, compute_ns, values, false),
+            Message::Logits {
+                step,
+                compute_ns,
+                values,
+            } => (step, compute_ns, values, true),
+            Message::Failed { reason, .. } => {
+                return Err(Error::Group(format!("rank {rank} failed a step: {reason}")))
+            }
+            other => {
+                return Err(Error::Group(format!(
+                    "rank {rank} answered a step with {}",
+                    kind(&other)
+                )))
+            }
+        };
+        let (want, sent) = (self.flights[j].meta.step, self.flights[j].sent);
+        if step != want || got_logits != logits {
+            return Err(Error::Group(format!(
+                "rank {rank} answered step {step} with {} while step {want} was due",
+                if got_logits {
+                    "logits"
+                } else {
+                    "hidden states"
+                },
+            )));
+        }
+        // A stage busy with an earlier step started this one when it answered that one.
+        let now = Instant::now();
+        let remote = &mut self.remotes[i];
+        let began = sent.max(remote.last_reply);
+        remote.last_reply = now;
+        let compute = compute_ns as f64 * 1e-9;
+        let wire = (now.saturating_duration_since(began).as_secs_f64() - compute).max(0.0);
+        self.record(i + 1, |s| {
+            s.compute_seconds += compute;
+            s.transfer_seconds += wire;
+            s.bytes_received += received as u64;
+        });
+        Ok(values)
     }
 
     /// The step's batch as every stage receives it, without hidden states.
@@ -403,7 +563,7 @@ impl Pipeline {
 
 impl Drop for Pipeline {
     fn drop(&mut self) {
-        for m in &mut self.members {
+        for m in &mut self.remotes {
             let _ = wire::write_frame(&mut m.writer, &Message::Shutdown);
         }
     }

@@ -241,25 +241,31 @@ fn tensor_ranks_alone_and_in_stages_of_tiny_gqa_models_give_one_processes_tokens
     }
 }
 
-#[test]
-fn a_tensor_size_that_does_not_divide_the_kv_heads_is_refused_naming_both() {
+/// Why a leader of `model` with `engine`'s sizes fails to start (empty if it starts).
+fn leader_refusal(model: PathBuf, engine: EngineConfig, peers: Option<&TensorPeers>) -> String {
     let spec = RankSpec {
-        model: common::default_model(),
+        model,
         load: LoadOptions::default(),
-        engine: EngineConfig {
-            tensor_parallel_size: 2,
-            ..EngineConfig::default()
-        },
+        engine,
         secret: Secret::random(),
         timeout: Duration::from_secs(1),
     };
     let listener = TcpListener::bind("127.0.0.1:0").expect("binds");
+    let err = spec.start_leader(&listener, peers).err();
+    err.map(|e| e.to_string()).unwrap_or_default()
+}
+
+#[test]
+fn a_tensor_size_that_does_not_divide_the_kv_heads_is_refused_naming_both() {
     let peers = TensorPeers {
         region: region_path(),
         pids: Vec::new(),
     };
-    let err = spec.start_leader(&listener, Some(&peers)).err();
-    let err = err.map(|e| e.to_string()).unwrap_or_default();
+    let engine = EngineConfig {
+        tensor_parallel_size: 2,
+        ..EngineConfig::default()
+    };
+    let err = leader_refusal(common::default_model(), engine, Some(&peers));
     assert!(
         err.contains("--tensor-parallel-size 2")
             && err.contains("2 does not divide the model's 3 KV heads"),
@@ -270,23 +276,11 @@ fn a_tensor_size_that_does_not_divide_the_kv_heads_is_refused_naming_both() {
 
 #[test]
 fn a_stage_per_layer_is_the_most_and_more_is_refused_naming_the_layers() {
-    let model = common::fixture("tiny/tiny-F16.gguf");
-    let spec = RankSpec {
-        model: model.clone(),
-        load: LoadOptions::default(),
-        engine: EngineConfig {
-            pipeline_parallel_size: 3,
-            ..EngineConfig::default()
-        },
-        secret: Secret::random(),
-        timeout: Duration::from_secs(1),
+    let engine = EngineConfig {
+        pipeline_parallel_size: 3,
+        ..EngineConfig::default()
     };
-    let listener = TcpListener::bind("127.0.0.1:0").expect("binds");
-    let err = spec
-        .start_leader(&listener, None)
-        .err()
-        .map(|e| e.to_string());
-    let err = err.unwrap_or_default();
+    let err = leader_refusal(common::fixture("tiny/tiny-F16.gguf"), engine, None);
     assert!(
         err.contains("--pipeline-parallel-size") && err.contains("2 layers"),
         "{err}"

@@ -154,7 +154,7 @@ def test_two_local_stages_serve_one_processes_tokens_each_holding_its_share(refe
             assert rss_bytes(pid) < whole_rss - 0.25 * weights, (pid, rss_bytes(pid), whole_rss)
         assert all_at_once(group.url) == reference
         assert counter(group.url, "ferrite:pipeline_stage_steps_total", 'stage="1"') > 0
-        assert counter(group.url, "ferrite:pipeline_stage_transfer_seconds_total", 'stage="1"') >= 0
+        assert counter(group.url, "ferrite:pipeline_stage_transfer_seconds_total", 'stage="1"') != -1
         assert counter(group.url, "ferrite:tensor_parallel_collectives_total", 'stage="0"') == -1
         # The leader killed outright: the rank it started notices and exits.
         group.stop(signal.SIGKILL)

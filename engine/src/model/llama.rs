@@ -209,12 +209,9 @@ struct Widths {
 
 impl Widths {
     fn new(c: &ModelConfig, size: usize) -> Self {
-        let group = c.num_heads / c.num_kv_heads.max(1);
+        let heads = |rank| Shard { rank, size }.heads(c).len();
         Widths {
-            attn: shares(c.num_kv_heads, size)
-                .iter()
-                .map(|kv| kv * group * c.head_dim)
-                .collect(),
+            attn: (0..size).map(|r| heads(r) * c.head_dim).collect(),
             hidden: shares(c.hidden_size, size),
             mlp: shares(c.intermediate_size, size),
             vocab: shares(c.vocab_size, size),
@@ -603,11 +600,6 @@ impl Llama {
             widths,
             tensor: None,
         })
-    }
-
-    /// This rank's share of the model.
-    pub fn shard(&self) -> Shard {
-        self.shard
     }
 
     /// The hyper-parameters of the share this rank holds: its query and KV heads and MLP

@@ -1,5 +1,6 @@
 //! Fresh certificates for one test cluster: a CA, the API server's serving certificate, an
-//! admin client certificate (group `system:masters`) and the service-account signing key.
+//! admin client certificate (group `system:masters`), the service-account signing key and a
+//! serving certificate for webhooks on loopback (LeaderWorkerSet's).
 
 use std::path::{Path, PathBuf};
 
@@ -29,6 +30,9 @@ pub struct CertFiles {
     pub sa_key: PathBuf,
     /// Service-account token verification key (public, PKIX).
     pub sa_pub: PathBuf,
+    /// Folder with `tls.crt` and `tls.key`: a serving certificate for 127.0.0.1 signed by
+    /// the CA, for webhook servers the API server calls on loopback.
+    pub webhook_dir: PathBuf,
 }
 
 fn cert_err(what: &str, e: rcgen::Error) -> Error {
@@ -50,6 +54,7 @@ pub fn generate(dir: &Path) -> Result<CertFiles, Error> {
         admin_key: dir.join("admin.key"),
         sa_key: dir.join("sa.key"),
         sa_pub: dir.join("sa.pub"),
+        webhook_dir: dir.join("webhook-certs"),
     };
 
     let ca_key = KeyPair::generate().map_err(|e| cert_err("CA key", e))?;
@@ -110,5 +115,21 @@ pub fn generate(dir: &Path) -> Result<CertFiles, Error> {
     let sa_key = KeyPair::generate().map_err(|e| cert_err("service-account key", e))?;
     write(&files.sa_key, &sa_key.serialize_pem())?;
     write(&files.sa_pub, &sa_key.public_key_pem())?;
+
+    let hook_key = KeyPair::generate().map_err(|e| cert_err("webhook key", e))?;
+    let mut hook = CertificateParams::new(vec!["127.0.0.1".to_string(), "localhost".into()])
+        .map_err(|e| cert_err("webhook", e))?;
+    hook.distinguished_name
+        .push(DnType::CommonName, "ferrite-testcluster-webhooks");
+    hook.extended_key_usages = vec![ExtendedKeyUsagePurpose::ServerAuth];
+    let hook_cert = hook
+        .signed_by(&hook_key, &issuer)
+        .map_err(|e| cert_err("webhook certificate", e))?;
+    std::fs::create_dir_all(&files.webhook_dir).map_err(|e| Error::io(&files.webhook_dir, e))?;
+    write(&files.webhook_dir.join("tls.crt"), &hook_cert.pem())?;
+    write(
+        &files.webhook_dir.join("tls.key"),
+        &hook_key.serialize_pem(),
+    )?;
     Ok(files)
 }

@@ -1,9 +1,10 @@
 //! A real Kubernetes control plane on loopback for Ferrite's tests — the envtest approach.
 //!
-//! [`TestCluster::start`] runs etcd, kube-apiserver, kube-controller-manager, kube-scheduler
-//! and kwok (fake nodes that make scheduled pods Running and Ready) on free loopback ports with
-//! freshly generated certificates, waits until the API server's `/readyz` answers and a fake
-//! node is Ready, and writes a kubeconfig. Dropping the cluster stops every process and deletes
+//! [`TestCluster::start`] runs etcd, kube-apiserver, kube-controller-manager, kube-scheduler,
+//! kwok (fake nodes that make scheduled pods Running and Ready) and LeaderWorkerSet's
+//! controller with its webhooks ([`lws`]) on free loopback ports with freshly generated
+//! certificates, waits until the API server's `/readyz` answers, a fake node is Ready and
+//! LWS's webhooks answer, and writes a kubeconfig. Dropping the cluster stops every process and deletes
 //! its data; a supervisor per process stops it too when the test process dies without dropping
 //! (see [`process`]). The binaries come from `scripts/build-k8s.sh`, which builds them from the
 //! Go module proxy into `~/.cache/ferrite/k8s/<version>/` the first time.
@@ -21,6 +22,7 @@
 pub mod apply;
 pub mod certs;
 pub mod kwok;
+pub mod lws;
 pub mod process;
 
 use std::net::TcpListener;
@@ -106,6 +108,9 @@ pub struct Options {
     pub nodes: usize,
     /// Pod CIDR of the fake nodes; kwok gives pods IPs from it.
     pub pod_cidr: String,
+    /// Run LeaderWorkerSet's controller and webhooks, with its CRDs installed (needs the
+    /// controller-manager, whose StatefulSet controller creates the groups' pods).
+    pub leaderworkerset: bool,
 }
 
 impl Default for Options {
@@ -116,6 +121,7 @@ impl Default for Options {
             kwok: true,
             nodes: 1,
             pod_cidr: "10.244.0.0/16".to_string(),
+            leaderworkerset: true,
         }
     }
 }
@@ -247,7 +253,9 @@ impl TestCluster {
     fn launch(&mut self, bins: &Path) -> Result<(), Error> {
         let d = self.dir.display().to_string();
         let certs = certs::generate(&self.dir)?;
-        let [etcd_client, etcd_peer, api_port, kwok_port] = free_ports(4)?[..] else {
+        let [etcd_client, etcd_peer, api_port, kwok_port, hook_port, lws_health] =
+            free_ports(6)?[..]
+        else {
             return Err(Error::Binaries("could not pick free ports".into()));
         };
 
@@ -351,7 +359,57 @@ impl TestCluster {
                 |c| async move { fake_nodes_ready(&c, nodes, cidr).await },
             )?;
         }
+        if self.options.leaderworkerset && self.options.controller_manager {
+            let lws_dir = lws::binaries_dir()?;
+            let crds = lws_dir.join("crds.yaml");
+            let ca = std::fs::read(&certs.ca_cert).map_err(|e| Error::io(&certs.ca_cert, e))?;
+            self.block_on(|c| async move {
+                install_crds(&c, &crds).await?;
+                lws::register_webhooks(&c, hook_port, &ca).await
+            })?;
+            let config = self.dir.join("lws.yaml");
+            let text = lws::config(hook_port, lws_health, &certs.webhook_dir);
+            std::fs::write(&config, text).map_err(|e| Error::io(&config, e))?;
+            let l_args = vec![
+                format!("--config={}", config.display()),
+                format!("--kubeconfig={kc}"),
+                "--zap-log-level=info".to_string(),
+            ];
+            self.spawn(
+                "lws-controller",
+                &binary(&lws_dir, "lws-controller")?,
+                l_args,
+            )?;
+            self.wait(
+                "lws-controller",
+                Duration::from_secs(60),
+                "LeaderWorkerSet's webhooks to answer",
+                |c| async move { lws::webhooks_answer(&c).await },
+            )?;
+        }
         Ok(())
+    }
+
+    /// Runs `f` with an admin client to completion on a runtime of its own thread (blocking;
+    /// safe to call from async code, like [`TestCluster::wait`]).
+    fn block_on<F, Fut, T>(&self, f: F) -> Result<T, Error>
+    where
+        F: FnOnce(Client) -> Fut + Send,
+        Fut: std::future::Future<Output = Result<T, Error>>,
+        T: Send,
+    {
+        let kubeconfig = self.kubeconfig.clone();
+        std::thread::scope(|s| {
+            s.spawn(|| {
+                tokio::runtime::Builder::new_current_thread()
+                    .enable_all()
+                    .build()
+                    .map_err(|e| Error::io(Path::new("tokio runtime"), e))?
+                    .block_on(async move { f(client_from(&kubeconfig).await?).await })
+            })
+            .join()
+            .unwrap_or_else(|_| Err(Error::Binaries("a setup step panicked".into())))
+        })
     }
 
     /// Polls `check` until it returns `Ok(true)`, failing early when a process has exited.

@@ -1,5 +1,7 @@
 //! The test control plane behaves like a real cluster: controllers run, kwok makes pods Ready,
-//! CEL rules are enforced, owners garbage-collect dependents, and no process outlives a test.
+//! LeaderWorkerSet's controller makes groups whose pods its webhook gave the `LWS_*`
+//! environment, CEL rules are enforced, owners garbage-collect dependents, and no process
+//! outlives a test.
 
 use std::time::Duration;
 
@@ -215,6 +217,68 @@ async fn deleting_an_owner_garbage_collects_its_dependents() {
     .unwrap_or_else(|e| panic!("{e}\n{}", cluster.log_tail("kube-controller-manager", 3000)));
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn leaderworkerset_groups_get_pods_with_lws_environment() {
+    let cluster = TestCluster::shared();
+    let client = cluster.client().await.expect("client");
+    let ns = cluster.namespace(&client, "lws").await.expect("namespace");
+    let lws = Api::<DynamicObject>::namespaced_with(
+        client.clone(),
+        &ns,
+        &ferrite_testcluster::lws::api_resource(),
+    );
+    let group: DynamicObject = from_json(json!({
+        "apiVersion": "leaderworkerset.x-k8s.io/v1",
+        "kind": "LeaderWorkerSet",
+        "metadata": {"name": "pair"},
+        "spec": {"replicas": 1, "leaderWorkerTemplate": {"size": 2, "workerTemplate": {
+            "spec": {"containers": [{"name": "c", "image": "busybox"}]}}}},
+    }));
+    lws.create(&PostParams::default(), &group)
+        .await
+        .expect("create LeaderWorkerSet");
+    let pods = Api::<Pod>::namespaced(client.clone(), &ns);
+    let env = |p: &Pod, name: &str| {
+        p.spec.as_ref()?.containers[0]
+            .env
+            .as_ref()?
+            .iter()
+            .find(|e| e.name == name)?
+            .value
+            .clone()
+    };
+    let (leader, worker) = eventually("the group's two pods", WAIT, || async {
+        let list = pods
+            .list(&ListParams::default())
+            .await
+            .map_err(|e| e.to_string())?;
+        let find = |n: &str| {
+            list.items
+                .iter()
+                .find(|p| p.metadata.name.as_deref() == Some(n))
+        };
+        Ok(find("pair-0").cloned().zip(find("pair-0-1").cloned()))
+    })
+    .await
+    .unwrap_or_else(|e| panic!("{e}\n{}", cluster.log_tail("lws-controller", 3000)));
+    let leader_address = format!("pair-0.pair.{ns}");
+    for (pod, index) in [(&leader, "0"), (&worker, "1")] {
+        assert_eq!(env(pod, "LWS_WORKER_INDEX").as_deref(), Some(index));
+        assert_eq!(env(pod, "LWS_GROUP_SIZE").as_deref(), Some("2"));
+        assert_eq!(
+            env(pod, "LWS_LEADER_ADDRESS").as_deref(),
+            Some(leader_address.as_str())
+        );
+        let labels = pod.metadata.labels.clone().unwrap_or_default();
+        assert_eq!(
+            labels
+                .get("leaderworkerset.sigs.k8s.io/worker-index")
+                .map(String::as_str),
+            Some(index)
+        );
+    }
+}
+
 const CHILD_ENV: &str = "FERRITE_TESTCLUSTER_ABANDON";
 
 /// Run by `no_process_outlives_the_test_binary` in a child process: starts a cluster, reports
@@ -249,7 +313,8 @@ fn no_process_outlives_the_test_binary() {
             "kube-apiserver",
             "kube-controller-manager",
             "kube-scheduler",
-            "kwok"
+            "kwok",
+            "lws-controller"
         ]
     );
     drop(cluster);
@@ -287,7 +352,7 @@ fn no_process_outlives_the_test_binary() {
     };
     let dir = field("DATA_DIR=");
     let pids = field("PIDS=");
-    assert_eq!(pids.split(',').count(), 5, "{pids}");
+    assert_eq!(pids.split(',').count(), 6, "{pids}");
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()

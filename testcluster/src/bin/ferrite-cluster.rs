@@ -17,7 +17,10 @@ async fn main() {
 
 async fn run() -> Result<(), Box<dyn std::error::Error>> {
     let crd_files: Vec<PathBuf> = std::env::args_os().skip(1).map(PathBuf::from).collect();
-    eprintln!("starting etcd, kube-apiserver, kube-controller-manager, kube-scheduler and kwok...");
+    eprintln!(
+        "starting etcd, kube-apiserver, kube-controller-manager, kube-scheduler, kwok and \
+         LeaderWorkerSet..."
+    );
     let cluster = tokio::task::spawn_blocking(TestCluster::start).await??;
     let client = cluster.client().await?;
     for f in &crd_files {

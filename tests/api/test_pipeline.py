@@ -274,6 +274,27 @@ def test_two_hosts_on_loopback_serve_the_same_and_a_lost_rank_fails_requests_and
         leader.kill()
 
 
+def test_a_worker_told_to_stop_serves_until_its_leader_has_drained_and_ended_the_group(reference):
+    # A LeaderWorkerSet group going away signals every pod at once; the leader drains its
+    # requests, which needs every stage, so a worker stays until the leader ends the group.
+    leader, worker = two_hosts()
+    try:
+        wait_for(lambda: status(leader.url) == 200 and status(worker.url) == 200,
+                 "the group did not form:\n" + leader.output())
+        worker.proc.send_signal(signal.SIGTERM)
+        time.sleep(1)
+        assert worker.proc.poll() is None, worker.output()
+        assert all_at_once(leader.url) == reference
+        assert "stops when its leader ends the group" in worker.output()
+        leader.proc.send_signal(signal.SIGTERM)
+        assert leader.proc.wait(timeout=60) == 0, leader.output()
+        assert worker.proc.wait(timeout=60) == 0, worker.output()
+        assert "the leader shut the group down" in worker.output()
+    finally:
+        worker.kill()
+        leader.kill()
+
+
 def test_a_rank_with_the_wrong_secret_is_refused_and_the_leader_names_it():
     leader, worker = two_hosts("right-Zq81x", "wrong-Zq82x", "--group-timeout", "10")
     try:

@@ -198,6 +198,8 @@ struct Shared {
     admission: Arc<Semaphore>,
     /// Each pipeline stage's counters, when the model runs as a group.
     stages: Option<Arc<Mutex<Vec<StageStats>>>>,
+    /// Set by [`EngineHandle::stop`]: the engine thread ends once it has nothing to run.
+    stop: AtomicBool,
 }
 
 /// Clears [`Shared::running`] when the engine thread ends, however it ends: dropped on return
@@ -330,6 +332,7 @@ impl EngineHandle {
             next_id: AtomicU64::new(0),
             running: AtomicBool::new(true),
             stages,
+            stop: AtomicBool::new(false),
         });
         let (tx, rx) = mpsc::channel();
         let flag = RunningFlag(Arc::clone(&shared));
@@ -341,6 +344,22 @@ impl EngineHandle {
                 body(rx, thread_shared)
             })?;
         Ok((EngineHandle { tx, shared }, thread))
+    }
+
+    /// Ends the engine thread once every sequence it holds has finished, and waits up to
+    /// `timeout` for it to end; returns whether it did. Its model goes with it — for a
+    /// pipeline group's leader, that tells every other stage the group is over. Requests
+    /// submitted afterwards are refused as after any engine's end.
+    pub fn stop(&self, timeout: std::time::Duration) -> bool {
+        self.shared.stop.store(true, Ordering::Release);
+        let deadline = std::time::Instant::now() + timeout;
+        while self.shared.running.load(Ordering::Acquire) {
+            if std::time::Instant::now() >= deadline {
+                return false;
+            }
+            std::thread::sleep(std::time::Duration::from_millis(10));
+        }
+        true
     }
 
     /// Facts about the engine (cache size, limits).

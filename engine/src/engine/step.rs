@@ -5,6 +5,7 @@
 //! before the gauges are published. An optional [`StepObserver`] sees the state after
 //! each step from outside the loop.
 
+use std::sync::atomic::Ordering;
 use std::sync::{mpsc, Arc};
 use std::time::Instant;
 
@@ -173,12 +174,14 @@ impl EngineLoop {
         let mut open = true;
         loop {
             if self.sched.is_idle() {
-                if !open {
+                if !open || self.shared.stop.load(Ordering::Acquire) {
                     return;
                 }
-                match rx.recv() {
+                // Idle: wait for a request, looking up now and then for a stop.
+                match rx.recv_timeout(std::time::Duration::from_millis(50)) {
                     Ok(req) => self.admit(req),
-                    Err(_) => return,
+                    Err(mpsc::RecvTimeoutError::Timeout) => continue,
+                    Err(mpsc::RecvTimeoutError::Disconnected) => return,
                 }
             }
             loop {

@@ -94,6 +94,16 @@ impl AppState {
         let _ = self.ready.set(Arc::new(Ready { engine, tokenizer }));
     }
 
+    /// Ends the engine once it has finished what it holds (after a drain), waiting up to
+    /// `timeout`; true when it ended or was never loaded. A pipeline group's leader thereby
+    /// tells its other stages the group is over.
+    pub fn stop_engine(&self, timeout: std::time::Duration) -> bool {
+        match self.ready.get() {
+            Some(r) => r.engine.stop(timeout),
+            None => true,
+        }
+    }
+
     /// Stops taking requests (SIGTERM).
     pub fn start_draining(&self) {
         self.draining.store(true, Ordering::SeqCst);

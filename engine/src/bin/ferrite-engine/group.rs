@@ -250,9 +250,11 @@ pub fn start_leader(
     let mut children = Children::default();
     if g.nnodes > 1 {
         let secret = configured_secret(g)?;
-        let listener = TcpListener::bind(("0.0.0.0", g.master_port)).map_err(|e| {
+        // Ranks join on the address the API is served on (--host), at --master-port.
+        let host = args.server.host.as_str();
+        let listener = TcpListener::bind((host, g.master_port)).map_err(|e| {
             Error::Group(format!(
-                "cannot listen for ranks on port {}: {e}",
+                "cannot listen for ranks on {host}:{}: {e}",
                 g.master_port
             ))
         })?;
@@ -393,6 +395,11 @@ pub fn run_worker(
 
 /// `/health` of a headless rank on `host:port`, in a thread of its own: 503 until it has
 /// joined its group, 200 while it serves (the process exits when the group is lost).
+///
+/// The same thread holds SIGTERM and SIGINT: a rank with a host of its own stops when its
+/// leader ends the group, not when it is told to. Its pod is deleted together with the
+/// leader's, and the leader, draining its requests first, still needs every stage until
+/// it is done. Once the leader is gone the rank finds its connection closed and exits.
 fn serve_health(host: &str, port: u16, joined: Arc<AtomicBool>) -> Result<()> {
     use axum::http::StatusCode;
     let listener = std::net::TcpListener::bind((host, port))
@@ -412,6 +419,14 @@ fn serve_health(host: &str, port: u16, joined: Arc<AtomicBool>) -> Result<()> {
                 Ok(r) => r,
                 Err(e) => return tracing::error!("no runtime for /health: {e}"),
             };
+            runtime.spawn(async {
+                loop {
+                    ferrite_util::shutdown_signal().await;
+                    tracing::info!(
+                        "signal received: this rank stops when its leader ends the group"
+                    );
+                }
+            });
             runtime.block_on(async move {
                 let app = axum::Router::new().route(
                     "/health",

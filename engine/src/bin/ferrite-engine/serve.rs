@@ -191,6 +191,17 @@ fn serve(args: ServeArgs) -> Result<()> {
         server
             .await
             .map_err(|e| Error::internal(format!("the server task did not finish: {e}")))??;
+        // Drained: end the engine, so the ranks of a group hear from their leader that it
+        // is over rather than find it gone.
+        let stopping = Arc::clone(&state);
+        let stopped = tokio::task::spawn_blocking(move || {
+            stopping.stop_engine(std::time::Duration::from_secs(10))
+        })
+        .await
+        .unwrap_or(false);
+        if !stopped {
+            tracing::warn!("the engine did not end within 10 s of the drain");
+        }
         Ok(())
     })
 }

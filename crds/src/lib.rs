@@ -7,7 +7,9 @@ pub mod engine_args;
 pub mod llmservice;
 
 pub use engine_args::{engine_args, served_model_name, ModelSource};
-pub use llmservice::{EngineSpec, LLMService, LLMServiceSpec, LLMServiceStatus, ModelSpec};
+pub use llmservice::{
+    EngineSpec, LLMService, LLMServiceSpec, LLMServiceStatus, ModelSpec, ParallelismStatus,
+};
 
 /// The CustomResourceDefinition as YAML, as `crdgen` writes it to `crds/llmservice.yaml`.
 pub fn crd_yaml() -> Result<String, serde_yaml::Error> {

@@ -29,13 +29,29 @@ use serde::{Deserialize, Serialize};
     printcolumn = r#"{"name":"TTFT","type":"number","jsonPath":".status.autoscaling.ttftSeconds"}"#,
     printcolumn = r#"{"name":"Queue","type":"number","jsonPath":".status.autoscaling.queueDepthPerReplica"}"#,
     printcolumn = r#"{"name":"Age","type":"date","jsonPath":".metadata.creationTimestamp"}"#,
-    validation = Rule::new("size(self.metadata.name) <= 63").message("metadata.name must be at most 63 characters: it names the Service")
+    validation = Rule::new("size(self.metadata.name) <= 63").message("metadata.name must be at most 63 characters: it names the Service"),
+    validation = Rule::new(
+        "!has(self.spec.engine.pipelineParallelSize) || self.spec.engine.pipelineParallelSize <= 1 || size(self.metadata.name) <= 48"
+    ).message("metadata.name must be at most 48 characters when spec.engine.pipelineParallelSize is above 1: a group's pods are named <name>-stages-<group>-<stage>, which must stay a 63-character hostname")
 )]
 #[serde(rename_all = "camelCase")]
 #[x_kube(validation = Rule::new(
     "!has(self.autoscaling) || !has(self.replicas) || \
      (self.replicas >= self.autoscaling.minReplicas && self.replicas <= self.autoscaling.maxReplicas)"
 ).message("spec.replicas must lie within spec.autoscaling.minReplicas..maxReplicas when autoscaling is set").field_path(".replicas"))]
+#[x_kube(validation = Rule::new(
+    "!has(self.engine.pipelineParallelSize) || \
+     (has(self.autoscaling) ? self.autoscaling.maxReplicas : (has(self.replicas) ? self.replicas : 1)) \
+     * self.engine.pipelineParallelSize <= 2147483647"
+).message("spec.engine.pipelineParallelSize times the replicas (spec.replicas or spec.autoscaling.maxReplicas) must not exceed 2147483647: a LeaderWorkerSet holds replicas x size pods").field_path(".engine.pipelineParallelSize"))]
+#[x_kube(validation = Rule::new(
+    "!has(self.pod) || !has(self.pod.stageTopologyKey) || \
+     (has(self.engine.pipelineParallelSize) && self.engine.pipelineParallelSize > 1)"
+).message("spec.pod.stageTopologyKey spreads the pipeline stages of a replica across nodes, so it needs spec.engine.pipelineParallelSize above 1").field_path(".pod.stageTopologyKey"))]
+#[x_kube(validation = Rule::new(
+    "!has(self.gpuResource) || !has(self.resources) || !has(self.resources.limits) || \
+     !(self.gpuResource in self.resources.limits)"
+).message("spec.resources.limits must not name spec.gpuResource: the operator requests spec.engine.tensorParallelSize GPUs per pod (times pipelineParallelSize when one pod holds every stage)").field_path(".resources.limits"))]
 pub struct LLMServiceSpec {
     /// Which model to serve and where its weights come from.
     pub model: ModelSpec,
@@ -54,8 +70,9 @@ pub struct LLMServiceSpec {
     /// `gpuResource`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub resources: Option<ResourceRequirements>,
-    /// Extended resource name of the GPUs (e.g. `nvidia.com/gpu`); each replica requests
-    /// `tensorParallelSize * pipelineParallelSize` of them. Omitted: the CPU engine.
+    /// Extended resource name of the GPUs (e.g. `nvidia.com/gpu`). A replica in one pod
+    /// requests `tensorParallelSize` of them; with `pipelineParallelSize` above 1 each stage
+    /// is a pod of its own and requests `tensorParallelSize`. Omitted: the CPU engine.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(length(min = 3, max = 253))]
     #[x_kube(validation = Rule::new("self.contains('/')").message("spec.gpuResource must be an extended resource name such as nvidia.com/gpu"))]
@@ -103,11 +120,15 @@ pub struct ModelSpec {
 #[derive(Deserialize, Serialize, Clone, Debug, Default, PartialEq, KubeSchema)]
 #[serde(rename_all = "camelCase")]
 pub struct EngineSpec {
-    /// GPUs a model is split across within a node (`--tensor-parallel-size`).
+    /// Ranks a model's layers are split across within a pod (`--tensor-parallel-size`): GPUs
+    /// of one node, or on CPU processes the engine starts itself. The engine refuses, at
+    /// startup, a size that does not divide the model's KV heads.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(range(min = 1))]
     pub tensor_parallel_size: Option<i32>,
-    /// Pipeline stages a model is split into (`--pipeline-parallel-size`).
+    /// Pipeline stages a model is split into (`--pipeline-parallel-size`). Above 1, each
+    /// replica becomes a LeaderWorkerSet group of this many pods, one stage per pod (the
+    /// LeaderWorkerSet controller must be installed).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(range(min = 1))]
     pub pipeline_parallel_size: Option<i32>,
@@ -247,6 +268,12 @@ pub struct PodSettings {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(range(min = 10))]
     pub startup_timeout_seconds: Option<i64>,
+    /// With `pipelineParallelSize` above 1: a node label (e.g. `kubernetes.io/hostname`)
+    /// whose values the pods of one replica must not share, so its stages land on
+    /// different nodes (a required pod anti-affinity within the group).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(min = 1, max = 316))]
+    pub stage_topology_key: Option<String>,
 }
 
 /// Rolling update bounds.
@@ -275,17 +302,19 @@ pub struct LLMServiceStatus {
     /// Pending, Loading, Ready, Degraded or Failed.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub phase: Option<String>,
-    /// Engine pods that exist.
+    /// Replicas that exist: engine pods, or groups of pods when the model is split into
+    /// pipeline stages (`parallelism.podsPerReplica` above 1).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(range(min = 0))]
     pub replicas: Option<i32>,
-    /// Engine pods that serve traffic.
+    /// Replicas that serve traffic (a group counts once all of its pods are ready).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub ready_replicas: Option<i32>,
     /// Replicas the operator wants (from `replicas` or the autoscaler).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub desired_replicas: Option<i32>,
-    /// Label selector of the pods, for the scale subresource.
+    /// Label selector of the pods that serve the API (a group's leaders only), for the scale
+    /// subresource.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub selector: Option<String>,
     /// The OpenAI base URL inside the cluster, `http://<name>.<ns>.svc:8000/v1`.
@@ -297,6 +326,21 @@ pub struct LLMServiceStatus {
     /// What the autoscaler last measured and did.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub autoscaling: Option<AutoscalingStatus>,
+    /// How each replica is laid out.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub parallelism: Option<ParallelismStatus>,
+}
+
+/// How one replica is split: tensor ranks within a pod, pipeline stages across pods.
+#[derive(Deserialize, Serialize, Clone, Debug, Default, PartialEq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct ParallelismStatus {
+    /// Tensor-parallel ranks per stage (`tensorParallelSize`), all in one pod.
+    pub tensor: i32,
+    /// Pipeline stages (`pipelineParallelSize`).
+    pub pipeline: i32,
+    /// Pods per replica: 1, or one per stage (a LeaderWorkerSet group).
+    pub pods_per_replica: i32,
 }
 
 /// The autoscaler's last observation and decision.

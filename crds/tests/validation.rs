@@ -53,6 +53,19 @@ async fn api_server_refuses_invalid_manifests_naming_the_field() {
     api.create(&PostParams::default(), &valid)
         .await
         .expect("a valid manifest is accepted");
+    let staged = manifest(
+        "staged",
+        json!({
+            "model": hf(),
+            "engine": {"pipelineParallelSize": 2, "tensorParallelSize": 4},
+            "gpuResource": "nvidia.com/gpu",
+            "resources": {"limits": {"memory": "100Gi"}},
+            "pod": {"stageTopologyKey": "kubernetes.io/hostname"},
+        }),
+    );
+    api.create(&PostParams::default(), &staged)
+        .await
+        .expect("a valid pipeline-parallel manifest is accepted");
     for source in [
         "pvc://models/llama/model.gguf",
         "file:///models/smollm2.gguf",
@@ -156,6 +169,27 @@ async fn api_server_refuses_invalid_manifests_naming_the_field() {
             "rollout-stuck",
             json!({"model": hf(), "rollout": {"maxSurge": 0, "maxUnavailable": 0}}),
             "maxSurge and maxUnavailable must not both be 0",
+        ),
+        (
+            "stages-times-replicas",
+            json!({"model": hf(), "replicas": 4, "engine": {"pipelineParallelSize": 1_073_741_824}}),
+            "spec.engine.pipelineParallelSize times the replicas",
+        ),
+        (
+            "topology-without-stages",
+            json!({"model": hf(), "pod": {"stageTopologyKey": "kubernetes.io/hostname"}}),
+            "spec.pod.stageTopologyKey spreads the pipeline stages",
+        ),
+        (
+            "gpus-in-limits",
+            json!({"model": hf(), "gpuResource": "nvidia.com/gpu",
+                   "resources": {"limits": {"nvidia.com/gpu": "2"}}}),
+            "spec.resources.limits must not name spec.gpuResource",
+        ),
+        (
+            "a-name-too-long-for-the-hostnames-of-a-group-of-stages",
+            json!({"model": hf(), "engine": {"pipelineParallelSize": 2}}),
+            "metadata.name must be at most 48 characters when spec.engine.pipelineParallelSize",
         ),
     ];
     assert!(cases.len() >= 10);

@@ -1,5 +1,6 @@
-//! Ferrite's operator: turns `LLMService` objects into engine Deployments, Services and
-//! PodDisruptionBudgets, keeps their status honest, and elects one leader among its replicas.
+//! Ferrite's operator: turns `LLMService` objects into engine Deployments (or, for models
+//! split into pipeline stages, LeaderWorkerSet groups), Services and PodDisruptionBudgets,
+//! keeps their status honest, and elects one leader among its replicas.
 
 #![forbid(unsafe_code)]
 
@@ -21,7 +22,7 @@ use ferrite_crds::LLMService;
 use futures::StreamExt;
 use k8s_openapi::api::apps::v1::Deployment;
 use k8s_openapi::api::core::v1::{Pod, Service};
-use kube::api::Api;
+use kube::api::{Api, DynamicObject};
 use kube::runtime::events::{Recorder, Reporter};
 use kube::runtime::reflector::ObjectRef;
 use kube::runtime::{watcher, Controller};
@@ -29,7 +30,7 @@ use kube::{Client, ResourceExt};
 
 pub use error::Error;
 use reconcile::Context;
-use render::{RenderConfig, LLMSERVICE_LABEL};
+use render::{RenderConfig, ENGINE_PODS_SELECTOR, LLMSERVICE_LABEL};
 
 /// How the operator runs.
 #[derive(Debug, Clone)]
@@ -163,29 +164,39 @@ pub async fn run(
         }
     }
     let _autoscaler = AbortOnDrop(autoscaler);
-    let (llms, deployments, services, pods) = match &opts.namespace {
+    let lws = render::lws_resource();
+    let (llms, deployments, services, pods, groups) = match &opts.namespace {
         Some(ns) => (
             Api::<LLMService>::namespaced(client.clone(), ns),
             Api::<Deployment>::namespaced(client.clone(), ns),
             Api::<Service>::namespaced(client.clone(), ns),
             Api::<Pod>::namespaced(client.clone(), ns),
+            Api::<DynamicObject>::namespaced_with(client.clone(), ns, &lws),
         ),
         None => (
             Api::all(client.clone()),
             Api::all(client.clone()),
             Api::all(client.clone()),
             Api::all(client.clone()),
+            Api::all_with(client.clone(), &lws),
         ),
     };
     let children = watcher::Config::default().labels(LLMSERVICE_LABEL);
     let controller = Controller::new(llms, watcher::Config::default())
         .owns(deployments, children.clone())
         .owns(services, children.clone())
-        .watches(pods, children, |pod: Pod| {
-            let ns = pod.namespace()?;
-            let name = pod.labels().get(LLMSERVICE_LABEL)?.clone();
-            Some(ObjectRef::<LLMService>::new(&name).within(&ns))
-        })
+        // Where LeaderWorkerSet is not installed this watch retries with backoff (and the
+        // LLMServices that need it say so in status) until it is.
+        .owns_with(groups, lws, children)
+        .watches(
+            pods,
+            watcher::Config::default().labels(ENGINE_PODS_SELECTOR),
+            |pod: Pod| {
+                let ns = pod.namespace()?;
+                let name = pod.labels().get("app.kubernetes.io/instance")?.clone();
+                Some(ObjectRef::<LLMService>::new(&name).within(&ns))
+            },
+        )
         .graceful_shutdown_on(stopped)
         .run(reconcile::reconcile, reconcile::error_policy, ctx)
         .for_each(|res| async move {

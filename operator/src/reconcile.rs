@@ -1,5 +1,6 @@
-//! The reconcile loop: render the children of an LLMService, apply them with server-side apply,
-//! read back what the cluster did, and write status and Events.
+//! The reconcile loop: render the children of an LLMService (a Deployment, or a
+//! LeaderWorkerSet when its model is split into pipeline stages), apply them with server-side
+//! apply, read back what the cluster did, and write status and Events.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -7,18 +8,18 @@ use std::time::{Duration, Instant};
 
 use ferrite_crds::{LLMService, LLMServiceStatus, ModelSource};
 use k8s_openapi::api::apps::v1::Deployment;
-use k8s_openapi::api::core::v1::{Pod, Service};
+use k8s_openapi::api::core::v1::{Pod, Secret, Service};
 use k8s_openapi::api::policy::v1::PodDisruptionBudget;
 use k8s_openapi::jiff::Timestamp;
-use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams};
+use kube::api::{Api, DeleteParams, DynamicObject, ListParams, Patch, PatchParams, PostParams};
 use kube::runtime::controller::Action;
 use kube::runtime::events::{Event, EventType, Recorder};
 use kube::{Client, Resource, ResourceExt};
 use serde_json::json;
 
 use crate::metrics::Metrics;
-use crate::render::{self, RenderConfig, LLMSERVICE_LABEL};
-use crate::status::{self, Observed};
+use crate::render::{self, RenderConfig};
+use crate::status::{self, Observed, WorkloadStatus};
 use crate::Error;
 
 /// The field manager of everything the operator applies.
@@ -192,35 +193,14 @@ async fn reconcile_inner(svc: &LLMService, ctx: &Context) -> Result<Action, Erro
     let desired = desired_replicas(svc);
     let apply = PatchParams::apply(FIELD_MANAGER).force();
 
-    let deployments = Api::<Deployment>::namespaced(client.clone(), &ns);
-    let before = deployments.get_opt(&name).await?;
-    let wanted = render::deployment(svc, &ctx.render, desired)?;
-    let after = deployments
-        .patch(&name, &apply, &Patch::Apply(&wanted))
-        .await?;
-    match &before {
-        None => {
-            let note = format!("created Deployment {name} with {desired} replica(s)");
-            publish(ctx, svc, EventType::Normal, "Created", note).await;
+    let workload = if render::uses_groups(svc) {
+        if !leaderworkerset_installed(client).await? {
+            return lws_missing(svc, ctx, &llms, &name).await;
         }
-        Some(b) if b.metadata.generation != after.metadata.generation => {
-            let old_t = b.spec.as_ref().map(|s| &s.template);
-            let new_t = after.spec.as_ref().map(|s| &s.template);
-            let old_r = b.spec.as_ref().and_then(|s| s.replicas).unwrap_or(1);
-            if old_t != new_t {
-                let note =
-                    format!("rolling Deployment {name}: the model, engine settings or pod changed");
-                publish(ctx, svc, EventType::Normal, "RolloutStarted", note).await;
-            } else if old_r != desired {
-                let note = format!("scaled Deployment {name} {old_r} -> {desired}");
-                publish(ctx, svc, EventType::Normal, "Scaled", note).await;
-            } else {
-                let note = format!("updated Deployment {name}");
-                publish(ctx, svc, EventType::Normal, "Updated", note).await;
-            }
-        }
-        Some(_) => {}
-    }
+        apply_groups(svc, ctx, &ns, &name, desired).await?
+    } else {
+        apply_deployment(svc, ctx, &ns, &name, desired).await?
+    };
 
     let services = Api::<Service>::namespaced(client.clone(), &ns);
     let svc_existed = services.get_opt(&name).await?.is_some();
@@ -245,11 +225,11 @@ async fn reconcile_inner(svc: &LLMService, ctx: &Context) -> Result<Action, Erro
     }
 
     let pods = Api::<Pod>::namespaced(client.clone(), &ns)
-        .list(&ListParams::default().labels(&format!("{LLMSERVICE_LABEL}={name}")))
+        .list(&ListParams::default().labels(&render::engine_pods_selector(&name)))
         .await?
         .items;
     let observed = Observed {
-        deployment: Some(after),
+        workload: Some(workload),
         pods,
     };
     let st = status::compute(svc, desired, &observed, Timestamp::now());
@@ -277,4 +257,225 @@ async fn reconcile_inner(svc: &LLMService, ctx: &Context) -> Result<Action, Erro
     } else {
         15
     })))
+}
+
+/// Publishes what applying a workload did: created it, started a rollout, scaled it, or
+/// changed something else in it (`kind` and `name` say which object).
+#[allow(clippy::too_many_arguments)]
+async fn announce<T: PartialEq>(
+    ctx: &Context,
+    svc: &LLMService,
+    kind: &str,
+    name: &str,
+    unit: &str,
+    existed: Option<(Option<i64>, T, i32)>,
+    after: (Option<i64>, T),
+    desired: i32,
+) {
+    let note = match existed {
+        None => Some((
+            "Created",
+            format!("created {kind} {name} with {desired} {unit}"),
+        )),
+        Some((generation, _, _)) if generation == after.0 => None,
+        Some((_, template, _)) if template != after.1 => Some((
+            "RolloutStarted",
+            format!("rolling {kind} {name}: the model, engine settings or pod changed"),
+        )),
+        Some((_, _, old)) if old != desired => {
+            Some(("Scaled", format!("scaled {kind} {name} {old} -> {desired}")))
+        }
+        Some(_) => Some(("Updated", format!("updated {kind} {name}"))),
+    };
+    if let Some((reason, note)) = note {
+        publish(ctx, svc, EventType::Normal, reason, note).await;
+    }
+}
+
+/// Applies the Deployment of an LLMService whose replicas are single pods, and removes the
+/// LeaderWorkerSet it had while it was split into stages once the Deployment serves every
+/// replica (so a switch never serves fewer replicas than before).
+async fn apply_deployment(
+    svc: &LLMService,
+    ctx: &Context,
+    ns: &str,
+    name: &str,
+    desired: i32,
+) -> Result<WorkloadStatus, Error> {
+    let client = &ctx.client;
+    let apply = PatchParams::apply(FIELD_MANAGER).force();
+    let deployments = Api::<Deployment>::namespaced(client.clone(), ns);
+    let before = deployments.get_opt(name).await?;
+    let wanted = render::deployment(svc, &ctx.render, desired)?;
+    let after = deployments
+        .patch(name, &apply, &Patch::Apply(&wanted))
+        .await?;
+    let template = |d: &Deployment| d.spec.as_ref().map(|s| s.template.clone());
+    announce(
+        ctx,
+        svc,
+        "Deployment",
+        name,
+        "replica(s)",
+        before.as_ref().map(|b| {
+            let replicas = b.spec.as_ref().and_then(|s| s.replicas).unwrap_or(1);
+            (b.metadata.generation, template(b), replicas)
+        }),
+        (after.metadata.generation, template(&after)),
+        desired,
+    )
+    .await;
+    let workload = WorkloadStatus::of_deployment(&after);
+    if workload_complete(&workload, desired) && leaderworkerset_installed(client).await? {
+        let lws =
+            Api::<DynamicObject>::namespaced_with(client.clone(), ns, &render::lws_resource());
+        let lws_name = render::lws_name(name);
+        if lws.get_opt(&lws_name).await?.is_some() {
+            delete_if_present(&lws, &lws_name).await?;
+            let secrets = Api::<Secret>::namespaced(client.clone(), ns);
+            delete_if_present(&secrets, &render::group_secret_name(name)).await?;
+            let note = format!(
+                "deleted LeaderWorkerSet {lws_name}: the Deployment serves all {desired} replica(s)"
+            );
+            publish(ctx, svc, EventType::Normal, "Switched", note).await;
+        }
+    }
+    Ok(workload)
+}
+
+/// Applies the group Secret and the LeaderWorkerSet of an LLMService split into pipeline
+/// stages, and removes the Deployment it had before once every group is ready.
+async fn apply_groups(
+    svc: &LLMService,
+    ctx: &Context,
+    ns: &str,
+    name: &str,
+    desired: i32,
+) -> Result<WorkloadStatus, Error> {
+    let client = &ctx.client;
+    let apply = PatchParams::apply(FIELD_MANAGER).force();
+    // The secret is made once; a rollout or a restarted group reads the same one.
+    let secrets = Api::<Secret>::namespaced(client.clone(), ns);
+    let secret_name = render::group_secret_name(name);
+    if secrets.get_opt(&secret_name).await?.is_none() {
+        let value = new_group_secret();
+        secrets
+            .create(&PostParams::default(), &render::group_secret(svc, &value)?)
+            .await?;
+    }
+    let lws = Api::<DynamicObject>::namespaced_with(client.clone(), ns, &render::lws_resource());
+    let lws_name = render::lws_name(name);
+    let before = lws.get_opt(&lws_name).await?;
+    let wanted = render::leaderworkerset(svc, &ctx.render, desired)?;
+    let after = lws.patch(&lws_name, &apply, &Patch::Apply(&wanted)).await?;
+    let template = |o: &DynamicObject| o.data["spec"]["leaderWorkerTemplate"].clone();
+    announce(
+        ctx,
+        svc,
+        "LeaderWorkerSet",
+        &lws_name,
+        &format!("group(s) of {} pods", render::pipeline_stages(svc)),
+        before.as_ref().map(|b| {
+            let replicas = b.data["spec"]["replicas"].as_i64().unwrap_or(1);
+            let replicas = i32::try_from(replicas).unwrap_or(i32::MAX);
+            (b.metadata.generation, template(b), replicas)
+        }),
+        (after.metadata.generation, template(&after)),
+        desired,
+    )
+    .await;
+    let workload = WorkloadStatus::of_leaderworkerset(&after);
+    if workload_complete(&workload, desired) {
+        let deployments = Api::<Deployment>::namespaced(client.clone(), ns);
+        if deployments.get_opt(name).await?.is_some() {
+            delete_if_present(&deployments, name).await?;
+            let note = format!(
+                "deleted Deployment {name}: LeaderWorkerSet {lws_name} serves all {desired} group(s)"
+            );
+            publish(ctx, svc, EventType::Normal, "Switched", note).await;
+        }
+    }
+    Ok(workload)
+}
+
+/// Whether a workload's controller has acted on its spec and every wanted replica is ready.
+fn workload_complete(w: &WorkloadStatus, desired: i32) -> bool {
+    w.settled && w.observed_generation >= w.generation && w.updated >= desired && w.ready >= desired
+}
+
+/// 32 random bytes as hex: the secret a group's ranks admit each other with.
+fn new_group_secret() -> String {
+    use rand::Rng;
+    let bytes: [u8; 32] = rand::rng().random();
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+async fn delete_if_present<K>(api: &Api<K>, name: &str) -> Result<(), Error>
+where
+    K: Clone + serde::de::DeserializeOwned + std::fmt::Debug,
+{
+    match api.delete(name, &DeleteParams::background()).await {
+        Ok(_) => Ok(()),
+        Err(kube::Error::Api(s)) if s.code == 404 => Ok(()),
+        Err(e) => Err(e.into()),
+    }
+}
+
+/// Whether the cluster serves `leaderworkerset.x-k8s.io/v1` (discovery, which every
+/// authenticated client may read).
+pub async fn leaderworkerset_installed(client: &Client) -> Result<bool, Error> {
+    let version = format!("{}/v1", render::LWS_GROUP);
+    match client.list_api_group_resources(&version).await {
+        Ok(list) => Ok(list.resources.iter().any(|r| r.name == "leaderworkersets")),
+        Err(kube::Error::Api(s)) if s.code == 404 => Ok(false),
+        Err(e) => Err(e.into()),
+    }
+}
+
+/// The message of `Ready=False` with reason `LeaderWorkerSetMissing`.
+pub fn lws_missing_message(svc: &LLMService) -> String {
+    format!(
+        "spec.engine.pipelineParallelSize is {}, so each replica is a LeaderWorkerSet group of \
+         {} pods, but this cluster serves no {}/v1 API. Install LeaderWorkerSet (see \
+         https://lws.sigs.k8s.io/docs/installation/, e.g. kubectl apply --server-side -f \
+         https://github.com/kubernetes-sigs/lws/releases/download/v0.9.0/manifests.yaml); this \
+         LLMService is picked up again within a minute",
+        render::pipeline_stages(svc),
+        render::pipeline_stages(svc),
+        render::LWS_GROUP
+    )
+}
+
+/// An LLMService that needs LeaderWorkerSet in a cluster without it: `Ready=False`, reason
+/// `LeaderWorkerSetMissing`, and a retry every 30 s; whatever serves it now is left alone.
+async fn lws_missing(
+    svc: &LLMService,
+    ctx: &Context,
+    llms: &Api<LLMService>,
+    name: &str,
+) -> Result<Action, Error> {
+    let message = lws_missing_message(svc);
+    let mut st = status::compute(
+        svc,
+        desired_replicas(svc),
+        &Observed::default(),
+        Timestamp::now(),
+    );
+    st.phase = Some("Failed".into());
+    if let Some(c) = st.conditions.iter_mut().find(|c| c.type_ == "Ready") {
+        c.reason = "LeaderWorkerSetMissing".into();
+        c.message = message.clone();
+    }
+    if svc.status.as_ref().map(status::comparable) != Some(status::comparable(&st)) {
+        publish(
+            ctx,
+            svc,
+            EventType::Warning,
+            "LeaderWorkerSetMissing",
+            message,
+        )
+        .await;
+        write_status(llms, name, &st).await?;
+    }
+    Ok(Action::requeue(Duration::from_secs(30)))
 }

@@ -6,7 +6,7 @@
 use std::path::PathBuf;
 
 use ferrite_crds::LLMService;
-use ferrite_operator::status::{compute, Observed};
+use ferrite_operator::status::{compute, Observed, WorkloadStatus};
 use k8s_openapi::api::apps::v1::Deployment;
 use k8s_openapi::api::core::v1::Pod;
 use k8s_openapi::jiff::Timestamp;
@@ -87,7 +87,7 @@ fn argocd_cm_carries_the_same_script() {
 #[test]
 fn ready_is_healthy() {
     let obs = Observed {
-        deployment: Some(deployment(2, 2, 2)),
+        workload: Some(WorkloadStatus::of_deployment(&deployment(2, 2, 2))),
         pods: vec![],
     };
     let (status, message) = health(&observed(service(1), 2, obs));
@@ -98,7 +98,7 @@ fn ready_is_healthy() {
 #[test]
 fn scaled_to_zero_is_healthy() {
     let obs = Observed {
-        deployment: Some(deployment(0, 0, 0)),
+        workload: Some(WorkloadStatus::of_deployment(&deployment(0, 0, 0))),
         pods: vec![],
     };
     assert_eq!(health(&observed(service(1), 0, obs)).0, "Healthy");
@@ -107,7 +107,7 @@ fn scaled_to_zero_is_healthy() {
 #[test]
 fn loading_and_rolling_are_progressing() {
     let loading = Observed {
-        deployment: Some(deployment(1, 0, 1)),
+        workload: Some(WorkloadStatus::of_deployment(&deployment(1, 0, 1))),
         pods: vec![pod("chat-a", None)],
     };
     let (status, message) = health(&observed(service(1), 1, loading));
@@ -115,7 +115,7 @@ fn loading_and_rolling_are_progressing() {
     assert!(message.contains("loading the model"), "{message}");
 
     let scaling_up = Observed {
-        deployment: Some(deployment(3, 1, 3)),
+        workload: Some(WorkloadStatus::of_deployment(&deployment(3, 1, 3))),
         pods: vec![pod("chat-a", None)],
     };
     assert_eq!(
@@ -127,7 +127,7 @@ fn loading_and_rolling_are_progressing() {
 #[test]
 fn failed_engine_or_download_is_degraded_with_the_reason() {
     let crashed = Observed {
-        deployment: Some(deployment(1, 0, 1)),
+        workload: Some(WorkloadStatus::of_deployment(&deployment(1, 0, 1))),
         pods: vec![pod("chat-a", Some((1, "error: model file is not GGUF")))],
     };
     let (status, message) = health(&observed(service(1), 1, crashed));
@@ -145,7 +145,7 @@ fn failed_engine_or_download_is_degraded_with_the_reason() {
         .ok();
     }
     let failed = Observed {
-        deployment: Some(deployment(1, 0, 1)),
+        workload: Some(WorkloadStatus::of_deployment(&deployment(1, 0, 1))),
         pods: vec![download],
     };
     let (status, message) = health(&observed(service(1), 1, failed));
@@ -162,7 +162,7 @@ fn no_status_or_an_older_generation_is_progressing() {
 
     // Status of generation 1 while the spec is at generation 2: a rollout not yet seen.
     let obs = Observed {
-        deployment: Some(deployment(1, 1, 1)),
+        workload: Some(WorkloadStatus::of_deployment(&deployment(1, 1, 1))),
         pods: vec![],
     };
     let mut stale = observed(service(1), 1, obs);

@@ -10,12 +10,13 @@ use std::time::Duration;
 use clap::Parser;
 use ferrite_crds::LLMService;
 use ferrite_operator::cli::Args;
+use ferrite_operator::render;
 use ferrite_testcluster::{apply, ensure_namespace, eventually, install_crds, TestCluster};
 use k8s_openapi::api::apps::v1::Deployment;
 use k8s_openapi::api::coordination::v1::Lease;
-use k8s_openapi::api::core::v1::Secret;
+use k8s_openapi::api::core::v1::{Secret, Service};
 use k8s_openapi::api::rbac::v1::ClusterRoleBinding;
-use kube::api::{Api, DeleteParams, Patch, PatchParams, PostParams};
+use kube::api::{Api, DeleteParams, DynamicObject, Patch, PatchParams, PostParams};
 use kube::Client;
 use serde_json::{json, Value};
 
@@ -218,6 +219,26 @@ async fn chart_installs_an_operator_that_serves_with_only_its_rbac() {
         Some("ghcr.io/ferrite-serving/ferrite-engine:0.1.0")
     );
 
+    // A model split into stages becomes LeaderWorkerSet groups with their Secret, through
+    // exactly the chart's verbs on them.
+    let mut staged = example("pipeline-parallel-cpu.yaml");
+    // One fake node here: the stages may share it.
+    if let Some(p) = staged.spec.pod.as_mut() {
+        p.stage_topology_key = None;
+    }
+    llms.create(&PostParams::default(), &staged)
+        .await
+        .expect("pipeline example accepted");
+    wait_ready(&llms, "smollm2-pp").await;
+    Api::<DynamicObject>::namespaced_with(admin.clone(), &app_ns, &render::lws_resource())
+        .get("smollm2-pp-stages")
+        .await
+        .expect("the LeaderWorkerSet");
+    Api::<Secret>::namespaced(admin.clone(), &app_ns)
+        .get("smollm2-pp-group-secret")
+        .await
+        .expect("the group Secret");
+
     // Anything outside the ClusterRole is refused.
     let as_operator = |ns: &str| Api::<LLMService>::namespaced(operator_client.clone(), ns);
     forbidden(
@@ -243,11 +264,12 @@ async fn chart_installs_an_operator_that_serves_with_only_its_rbac() {
             .await,
     );
     forbidden(
-        "deleting an engine Deployment",
-        Api::<Deployment>::namespaced(operator_client.clone(), &app_ns)
+        "deleting the engine Service",
+        Api::<Service>::namespaced(operator_client.clone(), &app_ns)
             .delete("smollm2", &DeleteParams::default())
             .await,
     );
+
     let crb: ClusterRoleBinding = serde_json::from_value(json!({
         "metadata": {"name": "escalate"},
         "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": "cluster-admin"},

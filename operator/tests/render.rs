@@ -1,5 +1,5 @@
-//! Snapshot tests of the render functions: the Deployment, Service and PodDisruptionBudget an
-//! LLMService becomes, as YAML (`UPDATE_SNAPSHOTS=1 cargo test -p ferrite-operator --test render`
+//! Snapshot tests of the render functions: the Deployment (or LeaderWorkerSet and group
+//! Secret), Service and PodDisruptionBudget an LLMService becomes, as YAML (`UPDATE_SNAPSHOTS=1 cargo test -p ferrite-operator --test render`
 //! rewrites the files under tests/snapshots/ after an intended change; review the diff).
 
 use std::path::PathBuf;
@@ -39,10 +39,17 @@ fn cfg() -> RenderConfig {
 /// Renders every child of `svc` as one multi-document YAML string.
 fn render_all(svc: &LLMService) -> String {
     let replicas = render::spec_replicas(svc);
-    let mut docs = vec![
-        serde_yaml::to_string(&render::deployment(svc, &cfg(), replicas).expect("deployment")),
-        serde_yaml::to_string(&render::service(svc).expect("service")),
-    ];
+    let mut docs = if render::uses_groups(svc) {
+        let lws = render::leaderworkerset(svc, &cfg(), replicas).expect("leaderworkerset");
+        let secret = render::group_secret(svc, "made-by-the-reconciler").expect("secret");
+        vec![serde_yaml::to_string(&lws), serde_yaml::to_string(&secret)]
+    } else {
+        let d = render::deployment(svc, &cfg(), replicas).expect("deployment");
+        vec![serde_yaml::to_string(&d)]
+    };
+    docs.push(serde_yaml::to_string(
+        &render::service(svc).expect("service"),
+    ));
     if let Some(p) = render::pdb(svc, replicas).expect("pdb") {
         docs.push(serde_yaml::to_string(&p));
     }
@@ -69,7 +76,22 @@ fn check_snapshot(name: &str, svc: &LLMService) -> Value {
         path.display()
     );
     let first = got.split("---\n").next().unwrap_or_default();
-    serde_yaml::from_str(first).expect("deployment yaml")
+    serde_yaml::from_str(first).expect("workload yaml")
+}
+
+/// The pod spec and engine container of a LeaderWorkerSet's `leaderTemplate` or
+/// `workerTemplate`.
+fn group_pod<'a>(lws: &'a Value, template: &str) -> (&'a Value, &'a Value) {
+    let t = &lws["spec"]["leaderWorkerTemplate"][template];
+    (&t["spec"], &t["spec"]["containers"][0])
+}
+
+fn strings(v: &Value) -> Vec<&str> {
+    v.as_array()
+        .expect("an array")
+        .iter()
+        .filter_map(Value::as_str)
+        .collect()
 }
 
 fn engine_container(d: &Value) -> &Value {
@@ -132,7 +154,7 @@ fn cpu_file_model() {
 }
 
 #[test]
-fn gpu_tp2_pp2_hf_model_with_token() {
+fn gpu_tp2_pp2_hf_model_becomes_groups_of_two_pods_with_two_gpus_each() {
     let svc = llms(
         "llama",
         json!({
@@ -142,49 +164,172 @@ fn gpu_tp2_pp2_hf_model_with_token() {
             "gpuResource": "nvidia.com/gpu",
             "resources": {"limits": {"memory": "200Gi"}},
             "replicas": 3,
+            "pod": {"stageTopologyKey": "kubernetes.io/hostname"},
         }),
     );
-    let d = check_snapshot("gpu-tp2-pp2-hf", &svc);
-    let c = engine_container(&d);
-    assert_eq!(c["resources"]["limits"]["nvidia.com/gpu"], json!("4"));
-    assert_eq!(c["resources"]["limits"]["memory"], json!("200Gi"));
-    // Tensor ranks share memory through /dev/shm, memory-backed rather than 64 MiB.
-    let shm = c["volumeMounts"].as_array().and_then(|m| {
-        m.iter()
-            .find(|m| m["mountPath"] == json!("/dev/shm"))
-            .map(|m| m["name"].clone())
-    });
-    assert_eq!(shm, Some(json!("dshm")));
-    let volumes = &d["spec"]["template"]["spec"]["volumes"];
+    let lws = check_snapshot("gpu-tp2-pp2-hf", &svc);
+    assert_eq!(lws["kind"], json!("LeaderWorkerSet"));
+    assert_eq!(lws["metadata"]["name"], json!("llama-stages"));
+    let spec = &lws["spec"];
+    assert_eq!(spec["replicas"], json!(3), "replicas are groups");
+    let lwt = &spec["leaderWorkerTemplate"];
+    assert_eq!(lwt["size"], json!(2), "one pod per stage");
+    assert_eq!(lwt["restartPolicy"], json!("RecreateGroupOnPodRestart"));
+    assert_eq!(
+        spec["rolloutStrategy"]["rollingUpdateConfiguration"],
+        json!({"maxSurge": 1, "maxUnavailable": 0})
+    );
+
+    let (leader_pod, leader) = group_pod(&lws, "leaderTemplate");
+    let (worker_pod, worker) = group_pod(&lws, "workerTemplate");
+    for (pod, c) in [(leader_pod, leader), (worker_pod, worker)] {
+        // Each stage's tensor ranks are GPUs of its own pod.
+        assert_eq!(c["resources"]["limits"]["nvidia.com/gpu"], json!("2"));
+        assert_eq!(c["resources"]["limits"]["memory"], json!("200Gi"));
+        let mounts = c["volumeMounts"].as_array().expect("mounts");
+        let at = |path: &str| mounts.iter().find(|m| m["mountPath"] == json!(path));
+        assert_eq!(at("/dev/shm").map(|m| &m["name"]), Some(&json!("dshm")));
+        assert_eq!(
+            at("/etc/ferrite/group"),
+            Some(
+                &json!({"name": "group-secret", "mountPath": "/etc/ferrite/group", "readOnly": true})
+            )
+        );
+        let volumes = pod["volumes"].as_array().expect("volumes");
+        assert!(volumes.contains(&json!({"name": "group-secret", "secret": {
+            "secretName": "llama-group-secret", "defaultMode": 0o440}})));
+        // The group's secret is a file, never an environment variable.
+        assert!(!c["env"].to_string().contains("SECRET"), "{}", c["env"]);
+        // Every pod downloads its own copy of the model.
+        let init = &pod["initContainers"][0];
+        assert_eq!(
+            strings(&init["args"]),
+            [
+                "download",
+                "hf://meta-llama/Llama-3.1-70B-Instruct@v1.0",
+                "--to",
+                "/models",
+                "--file",
+                "model.gguf"
+            ]
+        );
+        assert_eq!(
+            init["env"][0]["valueFrom"]["secretKeyRef"],
+            json!({"name": "hf-token", "key": "HF_TOKEN"})
+        );
+        // 70B: 5 min + 70 * 20 s = 1700 s of startup probe at 10 s per probe.
+        assert_eq!(c["startupProbe"]["failureThreshold"], json!(170));
+        assert_eq!(c["livenessProbe"]["httpGet"]["path"], json!("/health"));
+        // Stages of one group on different nodes.
+        assert_eq!(
+            pod["affinity"]["podAntiAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"],
+            json!([{
+                "labelSelector": {"matchLabels": {"app.kubernetes.io/instance": "llama",
+                    "app.kubernetes.io/managed-by": "ferrite-operator"}},
+                "matchLabelKeys": ["leaderworkerset.sigs.k8s.io/group-key"],
+                "topologyKey": "kubernetes.io/hostname",
+            }])
+        );
+    }
+    let leader_args = strings(&leader["args"]);
+    let tail = &leader_args[leader_args.len() - 8..];
+    assert_eq!(
+        tail,
+        [
+            "--nnodes",
+            "2",
+            "--node-rank",
+            "0",
+            "--master-port",
+            "29500",
+            "--group-secret-file",
+            "/etc/ferrite/group/secret"
+        ]
+    );
+    assert!(leader_args
+        .windows(2)
+        .any(|w| w == ["--pipeline-parallel-size", "2"]));
+    assert_eq!(
+        leader["readinessProbe"]["httpGet"]["path"],
+        json!("/health")
+    );
+    assert_eq!(
+        leader["ports"][1],
+        json!({"name": "group", "containerPort": 29500, "protocol": "TCP"}),
+        "the leader admits the other stages on its group port"
+    );
+    let worker_args = strings(&worker["args"]);
+    let tail = &worker_args[worker_args.len() - 11..];
+    assert_eq!(
+        tail,
+        [
+            "--nnodes",
+            "2",
+            "--node-rank",
+            "$(LWS_WORKER_INDEX)",
+            "--master-addr",
+            "$(LWS_LEADER_ADDRESS)",
+            "--master-port",
+            "29500",
+            "--group-secret-file",
+            "/etc/ferrite/group/secret",
+            "--headless"
+        ]
+    );
     assert!(
-        volumes
-            .as_array()
-            .is_some_and(|v| v.contains(&json!({"name": "dshm", "emptyDir": {"medium": "Memory"}}))),
-        "{volumes}"
+        worker.get("readinessProbe").is_none(),
+        "a worker serves no requests"
     );
-    let init = &d["spec"]["template"]["spec"]["initContainers"][0];
+    assert_eq!(worker_pod["terminationGracePeriodSeconds"], json!(60));
+
+    // The Service and the autoscaler select leaders: workers lack the selector label.
+    let leader_labels =
+        &lws["spec"]["leaderWorkerTemplate"]["leaderTemplate"]["metadata"]["labels"];
+    let worker_labels =
+        &lws["spec"]["leaderWorkerTemplate"]["workerTemplate"]["metadata"]["labels"];
     assert_eq!(
-        init["args"],
-        json!([
-            "download",
-            "hf://meta-llama/Llama-3.1-70B-Instruct@v1.0",
-            "--to",
-            "/models",
-            "--file",
-            "model.gguf"
-        ])
+        leader_labels["serving.ferrite.dev/llmservice"],
+        json!("llama")
     );
+    assert_eq!(leader_labels["serving.ferrite.dev/role"], json!("leader"));
+    assert!(worker_labels
+        .get("serving.ferrite.dev/llmservice")
+        .is_none());
     assert_eq!(
-        init["env"][0]["valueFrom"]["secretKeyRef"],
-        json!({"name": "hf-token", "key": "HF_TOKEN"})
+        worker_labels["serving.ferrite.dev/worker-of"],
+        json!("llama")
+    );
+    let service = serde_json::to_value(render::service(&svc).expect("service")).expect("json");
+    assert_eq!(
+        service["spec"]["selector"],
+        json!({"serving.ferrite.dev/llmservice": "llama"})
     );
     assert!(
         !render_all(&svc).contains("hf_"),
         "no token value in the objects"
     );
-    // 70B: 5 min + 70 * 20 s = 1700 s of startup probe at 10 s per probe.
-    assert_eq!(c["startupProbe"]["failureThreshold"], json!(170));
-    assert_eq!(d["spec"]["replicas"], json!(3));
+}
+
+#[test]
+fn one_pod_replicas_request_every_gpu_of_every_stage_and_get_no_group_flags() {
+    let svc = llms(
+        "tp4",
+        json!({
+            "model": {"source": "hf://meta-llama/Llama-3.1-70B-Instruct"},
+            "engine": {"tensorParallelSize": 4},
+            "gpuResource": "nvidia.com/gpu",
+        }),
+    );
+    let d = serde_json::to_value(render::deployment(&svc, &cfg(), 1).expect("deployment"))
+        .expect("json");
+    let c = engine_container(&d);
+    assert_eq!(c["resources"]["limits"]["nvidia.com/gpu"], json!("4"));
+    let args = strings(&c["args"]);
+    assert!(
+        !args.contains(&"--nnodes") && !args.contains(&"--headless"),
+        "{args:?}"
+    );
+    assert!(d["spec"]["template"]["spec"].get("affinity").is_none());
 }
 
 #[test]

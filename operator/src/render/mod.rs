@@ -1,9 +1,12 @@
 //! Pure functions from an `LLMService` to the objects that serve it: a Deployment of engine
-//! pods, a Service and (with more than one replica) a PodDisruptionBudget. No cluster access:
-//! the reconciler applies what these return with server-side apply.
+//! pods (or, for a model split into pipeline stages, a LeaderWorkerSet of pod groups and
+//! their group Secret), a Service and (with more than one replica) a PodDisruptionBudget.
+//! No cluster access: the reconciler applies what these return with server-side apply.
 
 mod deployment;
+mod leaderworkerset;
 mod pdb;
+mod pod;
 mod service;
 
 use std::collections::BTreeMap;
@@ -12,14 +15,36 @@ use ferrite_crds::LLMService;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, OwnerReference};
 use kube::Resource;
 
-pub use deployment::{deployment, model_path, startup_timeout_seconds};
+pub use deployment::{deployment, rollout_bounds};
+pub use leaderworkerset::{
+    group_secret, leaderworkerset, lws_name, lws_resource, uses_groups, LWS_GROUP,
+    LWS_GROUP_INDEX_LABEL, LWS_WORKER_INDEX_LABEL,
+};
 pub use pdb::pdb;
+pub use pod::{
+    group_secret_name, model_path, pipeline_stages, pod_template, startup_timeout_seconds,
+    tensor_ranks, Role, GROUP_PORT, GROUP_SECRET_KEY, ROLE_LABEL,
+};
 pub use service::service;
 
 use crate::Error;
 
-/// The label every child object carries, with the LLMService's name; also the pod selector.
+/// The label every child object carries, with the LLMService's name; also the selector of
+/// the pods that serve the API (a Deployment's pods, a group's leader).
 pub const LLMSERVICE_LABEL: &str = "serving.ferrite.dev/llmservice";
+/// The label a group's workers carry instead of [`LLMSERVICE_LABEL`], with the LLMService's
+/// name: they serve no API, so the Service, the autoscaler and `status.selector` leave them
+/// out.
+pub const WORKER_OF_LABEL: &str = "serving.ferrite.dev/worker-of";
+/// The selector of every engine pod of every LLMService (workers included); a pod's
+/// `app.kubernetes.io/instance` names its LLMService.
+pub const ENGINE_PODS_SELECTOR: &str =
+    "app.kubernetes.io/managed-by=ferrite-operator,app.kubernetes.io/name=ferrite-engine";
+
+/// The selector of every engine pod of the LLMService `name`, workers included.
+pub fn engine_pods_selector(name: &str) -> String {
+    format!("{ENGINE_PODS_SELECTOR},app.kubernetes.io/instance={name}")
+}
 /// The HTTP port of the engine (OpenAI API, `/health`, `/metrics`).
 pub const ENGINE_PORT: i32 = 8000;
 /// Name of the engine container.
@@ -92,7 +117,7 @@ pub fn child_meta(svc: &LLMService) -> Result<ObjectMeta, Error> {
     })
 }
 
-/// Replicas the Deployment should have when no autoscaler decides: `spec.replicas` (default 1),
+/// Replicas (pods or groups) the workload should have when no autoscaler decides: `spec.replicas` (default 1),
 /// clamped into the autoscaling bounds when autoscaling is set.
 pub fn spec_replicas(svc: &LLMService) -> i32 {
     let r = svc.spec.replicas.unwrap_or(1).max(0);

@@ -1,4 +1,5 @@
-//! The Service in front of the engine pods: `<name>:8000`, port named `http`.
+//! The Service in front of the pods that serve the API (a group's leaders; workers do not carry
+//! the selector label): `<name>:8000`, port named `http`.
 
 use ferrite_crds::LLMService;
 use k8s_openapi::api::core::v1::Service;

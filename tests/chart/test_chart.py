@@ -71,10 +71,13 @@ def test_defaults_install_a_hardened_cluster_wide_operator():
     assert binding["subjects"] == [
         {"kind": "ServiceAccount", "name": "ferrite", "namespace": "ferrite-system"}
     ]
-    # Least privilege: no wildcard, no secrets, no deletes of what users own.
+    # Least privilege: no wildcard, no reading of other Secrets (only the group secrets the
+    # operator makes, by name: get, create, delete), no deletes of what users own.
     for rule in kinds["ClusterRole"][0]["rules"]:
         assert "*" not in rule["verbs"] and "*" not in rule["resources"]
-        assert "secrets" not in rule["resources"]
+        if "secrets" in rule["resources"]:
+            assert rule["resources"] == ["secrets"]
+            assert set(rule["verbs"]) == {"get", "create", "delete"}
         if "llmservices" in rule["resources"]:
             assert set(rule["verbs"]) == {"get", "list", "watch"}
     svc = kinds["Service"][0]

@@ -1,5 +1,5 @@
 //! Helpers every crate's tests share: where the repository, the default model and the
-//! built `ferrite-engine` binary are.
+//! built `ferrite-engine` binary are, free ports, and processes that end with their test.
 
 #![forbid(unsafe_code)]
 
@@ -40,4 +40,22 @@ pub fn engine_bin() -> PathBuf {
         bin.display()
     );
     bin
+}
+
+/// A TCP port on 127.0.0.1 that is free now.
+pub fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map(|a| a.port())
+        .expect("a free port")
+}
+
+/// A child process that is killed and reaped when this is dropped, however the test ends.
+pub struct KillOnDrop(pub std::process::Child);
+
+impl Drop for KillOnDrop {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
 }

@@ -4,33 +4,20 @@
 //! these two endpoints) must recommend scaling up and say why; once the load stops it must
 //! hold the replica count for the stabilization window and only then recommend scaling down.
 
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use ferrite_e2e::{free_port, KillOnDrop};
 use ferrite_operator::autoscale::policy::Targets;
 use ferrite_operator::autoscale::ServiceState;
 use serde_json::json;
 
-/// Kills the engine when the test ends, however it ends.
+/// An engine, killed when the test ends, however it ends.
 struct Engine {
-    child: Child,
+    _child: KillOnDrop,
     url: String,
-}
-
-impl Drop for Engine {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .map(|a| a.port())
-        .expect("free port")
 }
 
 fn start_engine() -> Engine {
@@ -48,7 +35,7 @@ fn start_engine() -> Engine {
         .spawn()
         .expect("ferrite-engine starts");
     Engine {
-        child,
+        _child: KillOnDrop(child),
         url: format!("http://127.0.0.1:{port}"),
     }
 }

@@ -10,10 +10,11 @@
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use ferrite_crds::LLMService;
+use ferrite_e2e::{free_port, KillOnDrop};
 use ferrite_operator::Options;
 use ferrite_testcluster::{eventually, install_crds, TestCluster};
 use k8s_openapi::api::core::v1::{Pod, Secret};
@@ -23,9 +24,9 @@ use serde_json::{json, Value};
 
 const WAIT: Duration = Duration::from_secs(180);
 
-/// An engine process, killed when the test ends however it ends.
+/// An engine process, killed when the test ends however it ends, and its log.
 struct Engine {
-    child: Child,
+    child: KillOnDrop,
     log: PathBuf,
 }
 
@@ -33,20 +34,6 @@ impl Engine {
     fn output(&self) -> String {
         std::fs::read_to_string(&self.log).unwrap_or_default()
     }
-}
-
-impl Drop for Engine {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .map(|a| a.port())
-        .expect("free port")
 }
 
 fn spawn(args: &[String], env: &HashMap<String, String>, log: &Path) -> Engine {
@@ -61,7 +48,7 @@ fn spawn(args: &[String], env: &HashMap<String, String>, log: &Path) -> Engine {
         .spawn()
         .expect("ferrite-engine starts");
     Engine {
-        child,
+        child: KillOnDrop(child),
         log: log.to_path_buf(),
     }
 }
@@ -297,8 +284,8 @@ async fn a_group_started_from_its_pods_serves_one_engines_tokens_and_a_lost_work
     // Stage 1 dies. The kubelet reports the exit with the end of its log
     // (FallbackToLogsOnError), and the operator names the rank.
     let mut worker = worker;
-    worker.child.kill().expect("kill the worker");
-    let code = worker.child.wait().expect("wait").code().unwrap_or(137);
+    worker.child.0.kill().expect("kill the worker");
+    let code = worker.child.0.wait().expect("wait").code().unwrap_or(137);
     let tail: String = {
         let out = worker.output();
         let lines: Vec<&str> = out.lines().collect();

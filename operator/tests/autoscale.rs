@@ -1,19 +1,21 @@
 //! The autoscaler against a real control plane: kwok gives the pods loopback IPs, one local
 //! server answers `/metrics` for all of them with a load the test sets, and the operator must
-//! scale the Deployment (never the spec), record status and Events, and come back down.
+//! scale the Deployment (never the spec), record status and Events, and come back down — and
+//! for a model split into stages, scale the LeaderWorkerSet's groups, scraping leaders only.
 
+use std::collections::BTreeSet;
 use std::sync::atomic::{AtomicU32, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use axum::routing::get;
 use axum::Router;
 use ferrite_crds::LLMService;
-use ferrite_operator::{autoscale, Options};
+use ferrite_operator::{autoscale, render, Options};
 use ferrite_testcluster::{eventually, install_crds, Options as ClusterOptions, TestCluster};
 use k8s_openapi::api::apps::v1::Deployment;
 use k8s_openapi::api::core::v1::Event;
-use kube::api::{Api, ListParams, PostParams};
+use kube::api::{Api, DynamicObject, ListParams, PostParams};
 use serde_json::json;
 
 const WAIT: Duration = Duration::from_secs(120);
@@ -179,6 +181,130 @@ async fn autoscaler_scales_the_deployment_not_the_spec() {
         .and_then(|s| s.autoscaling)
         .and_then(|a| a.last_scale_reason)
         .is_some_and(|r| r.contains("-> 1")));
+    let _ = stop.send(());
+    let _ = operator.await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn autoscaler_moves_groups_and_scrapes_only_their_leaders() {
+    let cluster = tokio::task::spawn_blocking(|| {
+        TestCluster::start_with(ClusterOptions {
+            pod_cidr: "127.2.0.0/24".into(),
+            ..ClusterOptions::default()
+        })
+    })
+    .await
+    .expect("join")
+    .expect("cluster");
+    // Which pod addresses were scraped, from the Host header of each scrape.
+    let scraped = Arc::new(Mutex::new(BTreeSet::<String>::new()));
+    let seen = scraped.clone();
+    let app = Router::new().route(
+        "/metrics",
+        get(move |headers: axum::http::HeaderMap| {
+            let seen = seen.clone();
+            async move {
+                if let Some(host) = headers.get("host").and_then(|h| h.to_str().ok()) {
+                    let ip = host.split(':').next().unwrap_or(host).to_string();
+                    seen.lock().expect("lock").insert(ip);
+                }
+                engine_metrics(6)
+            }
+        }),
+    );
+    let listener = tokio::net::TcpListener::bind("0.0.0.0:0")
+        .await
+        .expect("bind");
+    let port = listener.local_addr().expect("addr").port();
+    tokio::spawn(async move { axum::serve(listener, app).await });
+
+    let client = cluster.client().await.expect("client");
+    let crd = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../crds/llmservice.yaml");
+    install_crds(&client, &crd).await.expect("CRD");
+    let ns = cluster.namespace(&client, "autogroups").await.expect("ns");
+    let (stop, rx) = tokio::sync::oneshot::channel::<()>();
+    let opts = Options {
+        namespace: Some(ns.clone()),
+        engine_image: "ferrite-engine:test".into(),
+        leader_election: false,
+        autoscale: autoscale::Settings {
+            interval: Duration::from_secs(1),
+            scrape_timeout: Duration::from_secs(1),
+            metrics_port: port,
+        },
+        ..Options::default()
+    };
+    let c = client.clone();
+    let operator = tokio::spawn(async move {
+        ferrite_operator::run(c, opts, async move {
+            let _ = rx.await;
+        })
+        .await
+    });
+    let api = Api::<LLMService>::namespaced(client.clone(), &ns);
+    let svc: LLMService = serde_json::from_value(json!({
+        "apiVersion": "serving.ferrite.dev/v1alpha1", "kind": "LLMService",
+        "metadata": {"name": "staged"},
+        "spec": {
+            "model": {"source": "file:///models/m.gguf"},
+            "engine": {"pipelineParallelSize": 2},
+            "autoscaling": {"minReplicas": 1, "maxReplicas": 2, "targetQueueDepth": 2},
+        },
+    }))
+    .expect("LLMService");
+    api.create(&PostParams::default(), &svc)
+        .await
+        .expect("create");
+    let lws = Api::<DynamicObject>::namespaced_with(client.clone(), &ns, &render::lws_resource());
+    eventually("the autoscaler to scale to 2 groups", WAIT, || async {
+        let l = lws
+            .get_opt("staged-stages")
+            .await
+            .map_err(|e| e.to_string())?;
+        let replicas = l.map(|l| l.data["spec"]["replicas"].clone());
+        Ok((replicas == Some(json!(2))).then_some(()))
+    })
+    .await
+    .unwrap_or_else(|e| panic!("{e}"));
+    // Two groups ready, then a few more scrapes; only leaders' addresses are ever asked.
+    eventually("both groups' pods to have addresses", WAIT, || async {
+        let s = api.get("staged").await.map_err(|e| e.to_string())?;
+        let ready = s.status.and_then(|s| s.ready_replicas);
+        Ok((ready == Some(2)).then_some(()))
+    })
+    .await
+    .unwrap_or_else(|e| panic!("{e}"));
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let pods = Api::<k8s_openapi::api::core::v1::Pod>::namespaced(client.clone(), &ns)
+        .list(&ListParams::default().labels(&render::engine_pods_selector("staged")))
+        .await
+        .expect("pods")
+        .items;
+    let ip_of = |role: &str| -> BTreeSet<String> {
+        pods.iter()
+            .filter(|p| {
+                p.metadata
+                    .labels
+                    .as_ref()
+                    .and_then(|l| l.get("serving.ferrite.dev/role"))
+                    .map(String::as_str)
+                    == Some(role)
+            })
+            .filter_map(|p| p.status.as_ref()?.pod_ip.clone())
+            .collect()
+    };
+    let (leaders, workers) = (ip_of("leader"), ip_of("worker"));
+    assert_eq!((leaders.len(), workers.len()), (2, 2), "{pods:?}");
+    let scraped = scraped.lock().expect("lock").clone();
+    assert!(
+        scraped.is_subset(&leaders),
+        "scraped {scraped:?}, leaders {leaders:?}"
+    );
+    assert!(
+        scraped.is_disjoint(&workers),
+        "scraped a worker: {scraped:?}"
+    );
+    assert_eq!(scraped, leaders, "every leader is scraped");
     let _ = stop.send(());
     let _ = operator.await;
 }

@@ -15,6 +15,7 @@ use ferrite_testcluster::{eventually, install_crds, TestCluster};
 use k8s_openapi::api::apps::v1::Deployment;
 use k8s_openapi::api::core::v1::{Pod, Secret};
 use k8s_openapi::api::discovery::v1::EndpointSlice;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition;
 use kube::api::{Api, DeleteParams, DynamicObject, ListParams, Patch, PatchParams, PostParams};
 use kube::Client;
 use serde_json::{json, Value};
@@ -117,12 +118,29 @@ async fn wait_for(
     .unwrap_or_else(|e| panic!("{e}\n{}", cluster().log_tail("lws-controller", 2000)))
 }
 
-fn ready_message(s: &LLMService) -> String {
+fn ready_condition(s: &LLMService) -> Option<Condition> {
     s.status
-        .as_ref()
-        .and_then(|st| st.conditions.iter().find(|c| c.type_ == "Ready"))
-        .map(|c| c.message.clone())
-        .unwrap_or_default()
+        .as_ref()?
+        .conditions
+        .iter()
+        .find(|c| c.type_ == "Ready")
+        .cloned()
+}
+
+fn ready_message(s: &LLMService) -> String {
+    ready_condition(s).map(|c| c.message).unwrap_or_default()
+}
+
+/// Whether `name` exists, for `eventually`.
+async fn exists<K>(api: &Api<K>, name: &str) -> Result<bool, String>
+where
+    K: Clone + serde::de::DeserializeOwned + std::fmt::Debug,
+{
+    Ok(api
+        .get_opt(name)
+        .await
+        .map_err(|e| e.to_string())?
+        .is_some())
 }
 
 fn lws_api(client: &Client, ns: &str) -> Api<DynamicObject> {
@@ -352,24 +370,15 @@ async fn pipeline_stages_become_groups_that_scale_roll_switch_and_cascade() {
     let lwss = lws_api(&client, &ns);
     let secrets = Api::<Secret>::namespaced(client.clone(), &ns);
     eventually("the groups replaced by a Deployment", WAIT, || async {
-        let d = deployments
-            .get_opt("chat")
-            .await
-            .map_err(|e| e.to_string())?;
-        let l = lwss
-            .get_opt("chat-stages")
-            .await
-            .map_err(|e| e.to_string())?;
-        let sec = secrets
-            .get_opt("chat-group-secret")
-            .await
-            .map_err(|e| e.to_string())?;
+        let d = exists(&deployments, "chat").await?;
+        let l = exists(&lwss, "chat-stages").await?;
+        let sec = exists(&secrets, "chat-group-secret").await?;
         let pods = pods_of(&client, &ns, "chat").await;
         let workers = pods
             .iter()
             .filter(|p| label(p, "serving.ferrite.dev/role").is_some())
             .count();
-        match (d.is_some(), l.is_none(), sec.is_none(), pods.len(), workers) {
+        match (d, !l, !sec, pods.len(), workers) {
             (true, true, true, 3, 0) => Ok(Some(())),
             other => Err(format!(
                 "(deployment, lws gone, secret gone, pods, group pods) = {other:?}"
@@ -397,20 +406,14 @@ async fn pipeline_stages_become_groups_that_scale_roll_switch_and_cascade() {
     .await
     .expect("two stages");
     eventually("the Deployment replaced by groups", WAIT, || async {
-        let d = deployments
-            .get_opt("chat")
-            .await
-            .map_err(|e| e.to_string())?;
-        let l = lwss
-            .get_opt("chat-stages")
-            .await
-            .map_err(|e| e.to_string())?;
+        let d = exists(&deployments, "chat").await?;
+        let l = exists(&lwss, "chat-stages").await?;
         let pods = pods_of(&client, &ns, "chat").await;
         let group_pods = pods
             .iter()
             .filter(|p| label(p, "leaderworkerset.sigs.k8s.io/name").is_some())
             .count();
-        match (d.is_none(), l.is_some(), pods.len(), group_pods) {
+        match (!d, l, pods.len(), group_pods) {
             (true, true, 6, 6) => Ok(Some(())),
             other => Err(format!(
                 "(deployment gone, lws, pods, group pods) = {other:?}"
@@ -425,16 +428,10 @@ async fn pipeline_stages_become_groups_that_scale_roll_switch_and_cascade() {
         .await
         .expect("delete");
     eventually("the children to be garbage-collected", WAIT, || async {
-        let l = lwss
-            .get_opt("chat-stages")
-            .await
-            .map_err(|e| e.to_string())?;
-        let sec = secrets
-            .get_opt("chat-group-secret")
-            .await
-            .map_err(|e| e.to_string())?;
+        let l = exists(&lwss, "chat-stages").await?;
+        let sec = exists(&secrets, "chat-group-secret").await?;
         let pods = pods_of(&client, &ns, "chat").await;
-        match (l.is_none(), sec.is_none(), pods.len()) {
+        match (!l, !sec, pods.len()) {
             (true, true, 0) => Ok(Some(())),
             other => Err(format!("(lws gone, secret gone, pods) = {other:?}")),
         }
@@ -482,11 +479,7 @@ async fn a_failed_rank_is_named_in_status_and_restarts_its_group() {
     .expect("report the exit");
     let failed = eventually("status to name the failed rank", WAIT, || async {
         let s = api.get("split").await.map_err(|e| e.to_string())?;
-        let ready = s
-            .status
-            .as_ref()
-            .and_then(|st| st.conditions.iter().find(|c| c.type_ == "Ready").cloned());
-        Ok(ready.filter(|c| c.reason == "EngineStartupFailed"))
+        Ok(ready_condition(&s).filter(|c| c.reason == "EngineStartupFailed"))
     })
     .await
     .unwrap_or_else(|e| panic!("{e}"));
@@ -602,11 +595,8 @@ async fn without_leaderworkerset_a_staged_llmservice_says_how_to_install_it() {
         .expect("create");
     let ready = eventually("Ready=False LeaderWorkerSetMissing", WAIT, || async {
         let s = api.get("split").await.map_err(|e| e.to_string())?;
-        let c = s
-            .status
-            .as_ref()
-            .and_then(|st| st.conditions.iter().find(|c| c.type_ == "Ready").cloned());
-        Ok(c.filter(|c| c.reason == "LeaderWorkerSetMissing" && c.status == "False"))
+        Ok(ready_condition(&s)
+            .filter(|c| c.reason == "LeaderWorkerSetMissing" && c.status == "False"))
     })
     .await
     .unwrap_or_else(|e| panic!("{e}"));

@@ -153,10 +153,18 @@ fn free_ports(n: usize) -> Result<Vec<u16>, Error> {
 /// The folder holding the control-plane binaries: `$FERRITE_K8S_DIR` when set, otherwise the
 /// one `scripts/build-k8s.sh` prints — building them first when the cache lacks them.
 pub fn binaries_dir() -> Result<PathBuf, Error> {
-    if let Some(dir) = std::env::var_os("FERRITE_K8S_DIR") {
+    cached_dir("FERRITE_K8S_DIR", "build-k8s.sh")
+}
+
+/// `$<var>` when set, otherwise the folder `scripts/<script> --print-dir` prints (the script
+/// builds what the folder should hold first when the cache lacks it).
+pub(crate) fn cached_dir(var: &str, script: &str) -> Result<PathBuf, Error> {
+    if let Some(dir) = std::env::var_os(var) {
         return Ok(PathBuf::from(dir));
     }
-    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("../scripts/build-k8s.sh");
+    let script = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../scripts")
+        .join(script);
     let out = std::process::Command::new("bash")
         .arg(&script)
         .arg("--print-dir")
@@ -399,16 +407,8 @@ impl TestCluster {
         T: Send,
     {
         let kubeconfig = self.kubeconfig.clone();
-        std::thread::scope(|s| {
-            s.spawn(|| {
-                tokio::runtime::Builder::new_current_thread()
-                    .enable_all()
-                    .build()
-                    .map_err(|e| Error::io(Path::new("tokio runtime"), e))?
-                    .block_on(async move { f(client_from(&kubeconfig).await?).await })
-            })
-            .join()
-            .unwrap_or_else(|_| Err(Error::Binaries("a setup step panicked".into())))
+        on_own_thread("a setup step", || async move {
+            f(client_from(&kubeconfig).await?).await
         })
     }
 
@@ -447,17 +447,7 @@ impl TestCluster {
                 tokio::time::sleep(Duration::from_millis(200)).await;
             }
         };
-        std::thread::scope(|s| {
-            s.spawn(|| {
-                tokio::runtime::Builder::new_current_thread()
-                    .enable_all()
-                    .build()
-                    .map_err(|e| Error::io(Path::new("tokio runtime"), e))?
-                    .block_on(poll())
-            })
-            .join()
-            .unwrap_or_else(|_| Err(Error::Binaries("readiness check panicked".into())))
-        })
+        on_own_thread("the readiness check", poll)
     }
 
     /// One cluster shared by all tests of a test binary, started on first use. Each test should
@@ -548,6 +538,27 @@ impl Drop for TestCluster {
     fn drop(&mut self) {
         self.stop();
     }
+}
+
+/// Runs the future `make` builds to completion on a runtime of a thread of its own (so the
+/// caller may be async, and the future need not be `Send`), blocking until it is done.
+fn on_own_thread<T, F, Fut>(what: &str, make: F) -> Result<T, Error>
+where
+    T: Send,
+    F: FnOnce() -> Fut + Send,
+    Fut: std::future::Future<Output = Result<T, Error>>,
+{
+    std::thread::scope(|s| {
+        s.spawn(|| {
+            tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .map_err(|e| Error::io(Path::new("tokio runtime"), e))?
+                .block_on(make())
+        })
+        .join()
+        .unwrap_or_else(|_| Err(Error::Binaries(format!("{what} panicked"))))
+    })
 }
 
 /// A kube client from a kubeconfig file.

@@ -31,24 +31,7 @@ pub fn api_resource() -> ApiResource {
 /// The folder holding `lws-controller` and `crds.yaml`: `$FERRITE_LWS_DIR` when set,
 /// otherwise the one `scripts/build-lws.sh` prints — building them first when missing.
 pub fn binaries_dir() -> Result<PathBuf, Error> {
-    if let Some(dir) = std::env::var_os("FERRITE_LWS_DIR") {
-        return Ok(PathBuf::from(dir));
-    }
-    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("../scripts/build-lws.sh");
-    let out = std::process::Command::new("bash")
-        .arg(&script)
-        .arg("--print-dir")
-        .stderr(std::process::Stdio::inherit())
-        .output()
-        .map_err(|e| Error::io(&script, e))?;
-    if !out.status.success() {
-        return Err(Error::Binaries(format!(
-            "{} failed ({})",
-            script.display(),
-            out.status
-        )));
-    }
-    Ok(PathBuf::from(String::from_utf8_lossy(&out.stdout).trim()))
+    crate::cached_dir("FERRITE_LWS_DIR", "build-lws.sh")
 }
 
 /// The controller's configuration file: no leader election, the webhook server on

@@ -326,7 +326,7 @@ async fn apply_deployment(
     )
     .await;
     let workload = WorkloadStatus::of_deployment(&after);
-    if workload_complete(&workload, desired) && leaderworkerset_installed(client).await? {
+    if workload.complete(desired) && leaderworkerset_installed(client).await? {
         let lws =
             Api::<DynamicObject>::namespaced_with(client.clone(), ns, &render::lws_resource());
         let lws_name = render::lws_name(name);
@@ -385,7 +385,7 @@ async fn apply_groups(
     )
     .await;
     let workload = WorkloadStatus::of_leaderworkerset(&after);
-    if workload_complete(&workload, desired) {
+    if workload.complete(desired) {
         let deployments = Api::<Deployment>::namespaced(client.clone(), ns);
         if deployments.get_opt(name).await?.is_some() {
             delete_if_present(&deployments, name).await?;
@@ -396,11 +396,6 @@ async fn apply_groups(
         }
     }
     Ok(workload)
-}
-
-/// Whether a workload's controller has acted on its spec and every wanted replica is ready.
-fn workload_complete(w: &WorkloadStatus, desired: i32) -> bool {
-    w.settled && w.observed_generation >= w.generation && w.updated >= desired && w.ready >= desired
 }
 
 /// 32 random bytes as hex: the secret a group's ranks admit each other with.

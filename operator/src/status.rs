@@ -79,6 +79,22 @@ impl WorkloadStatus {
     }
 }
 
+impl WorkloadStatus {
+    /// Whether its controller has acted on the current spec and it holds exactly `desired`
+    /// replicas, all on the current template.
+    pub fn rolled_out(&self, desired: i32) -> bool {
+        self.settled
+            && self.observed_generation >= self.generation
+            && self.updated == desired
+            && self.replicas == desired
+    }
+
+    /// [`WorkloadStatus::rolled_out`], and every wanted replica ready.
+    pub fn complete(&self, desired: i32) -> bool {
+        self.rolled_out(desired) && self.ready >= desired
+    }
+}
+
 /// What the reconciler saw in the cluster.
 #[derive(Debug, Clone, Default)]
 pub struct Observed {
@@ -203,12 +219,8 @@ pub fn compute(
 
     let w = observed.workload.clone().unwrap_or_default();
     let (replicas, ready, updated) = (w.replicas, w.ready, w.updated);
-    let rolled_out = observed.workload.is_some()
-        && w.settled
-        && w.observed_generation >= w.generation
-        && updated == desired
-        && replicas == desired;
-    let complete = rolled_out && ready >= desired;
+    let rolled_out = observed.workload.is_some() && w.rolled_out(desired);
+    let complete = observed.workload.is_some() && w.complete(desired);
     let failure = startup_failure(&observed.pods);
     let groups = uses_groups(svc);
     let unit = if groups { "groups" } else { "replicas" };

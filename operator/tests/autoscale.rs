@@ -32,33 +32,34 @@ fn engine_metrics(waiting: u32) -> String {
     )
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn autoscaler_scales_the_deployment_not_the_spec() {
-    // Pods get 127.1.0.x addresses, all answered by one server on 0.0.0.0:<port>.
-    let cluster = tokio::task::spawn_blocking(|| {
+/// A cluster whose pods get addresses in `cidr` (all answered by `app` on 0.0.0.0:<port>),
+/// the CRD, a fresh namespace, and the operator there scraping `<pod>:<port>` every second.
+/// Returns the cluster, a client, the namespace, and what stops the operator.
+async fn setup(
+    cidr: &str,
+    app: Router,
+) -> (
+    TestCluster,
+    kube::Client,
+    String,
+    tokio::sync::oneshot::Sender<()>,
+    tokio::task::JoinHandle<Result<(), ferrite_operator::Error>>,
+) {
+    let cidr = cidr.to_string();
+    let cluster = tokio::task::spawn_blocking(move || {
         TestCluster::start_with(ClusterOptions {
-            pod_cidr: "127.1.0.0/24".into(),
+            pod_cidr: cidr,
             ..ClusterOptions::default()
         })
     })
     .await
     .expect("join")
     .expect("cluster");
-    let waiting = Arc::new(AtomicU32::new(6));
-    let w = waiting.clone();
-    let app = Router::new().route(
-        "/metrics",
-        get(move || {
-            let w = w.clone();
-            async move { engine_metrics(w.load(Ordering::Relaxed)) }
-        }),
-    );
     let listener = tokio::net::TcpListener::bind("0.0.0.0:0")
         .await
         .expect("bind");
     let port = listener.local_addr().expect("addr").port();
     tokio::spawn(async move { axum::serve(listener, app).await });
-
     let client = cluster.client().await.expect("client");
     let crd = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../crds/llmservice.yaml");
     install_crds(&client, &crd).await.expect("CRD");
@@ -85,6 +86,22 @@ async fn autoscaler_scales_the_deployment_not_the_spec() {
         })
         .await
     });
+    (cluster, client, ns, stop, operator)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn autoscaler_scales_the_deployment_not_the_spec() {
+    // Pods get 127.1.0.x addresses, all answered by one server on 0.0.0.0:<port>.
+    let waiting = Arc::new(AtomicU32::new(6));
+    let w = waiting.clone();
+    let app = Router::new().route(
+        "/metrics",
+        get(move || {
+            let w = w.clone();
+            async move { engine_metrics(w.load(Ordering::Relaxed)) }
+        }),
+    );
+    let (cluster, client, ns, stop, operator) = setup("127.1.0.0/24", app).await;
 
     let api = Api::<LLMService>::namespaced(client.clone(), &ns);
     let svc: LLMService = serde_json::from_value(json!({
@@ -187,15 +204,6 @@ async fn autoscaler_scales_the_deployment_not_the_spec() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn autoscaler_moves_groups_and_scrapes_only_their_leaders() {
-    let cluster = tokio::task::spawn_blocking(|| {
-        TestCluster::start_with(ClusterOptions {
-            pod_cidr: "127.2.0.0/24".into(),
-            ..ClusterOptions::default()
-        })
-    })
-    .await
-    .expect("join")
-    .expect("cluster");
     // Which pod addresses were scraped, from the Host header of each scrape.
     let scraped = Arc::new(Mutex::new(BTreeSet::<String>::new()));
     let seen = scraped.clone();
@@ -212,35 +220,7 @@ async fn autoscaler_moves_groups_and_scrapes_only_their_leaders() {
             }
         }),
     );
-    let listener = tokio::net::TcpListener::bind("0.0.0.0:0")
-        .await
-        .expect("bind");
-    let port = listener.local_addr().expect("addr").port();
-    tokio::spawn(async move { axum::serve(listener, app).await });
-
-    let client = cluster.client().await.expect("client");
-    let crd = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../crds/llmservice.yaml");
-    install_crds(&client, &crd).await.expect("CRD");
-    let ns = cluster.namespace(&client, "autogroups").await.expect("ns");
-    let (stop, rx) = tokio::sync::oneshot::channel::<()>();
-    let opts = Options {
-        namespace: Some(ns.clone()),
-        engine_image: "ferrite-engine:test".into(),
-        leader_election: false,
-        autoscale: autoscale::Settings {
-            interval: Duration::from_secs(1),
-            scrape_timeout: Duration::from_secs(1),
-            metrics_port: port,
-        },
-        ..Options::default()
-    };
-    let c = client.clone();
-    let operator = tokio::spawn(async move {
-        ferrite_operator::run(c, opts, async move {
-            let _ = rx.await;
-        })
-        .await
-    });
+    let (_cluster, client, ns, stop, operator) = setup("127.2.0.0/24", app).await;
     let api = Api::<LLMService>::namespaced(client.clone(), &ns);
     let svc: LLMService = serde_json::from_value(json!({
         "apiVersion": "serving.ferrite.dev/v1alpha1", "kind": "LLMService",

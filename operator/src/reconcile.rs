@@ -428,7 +428,7 @@ pub async fn leaderworkerset_installed(client: &Client) -> Result<bool, Error> {
 }
 
 /// The message of `Ready=False` with reason `LeaderWorkerSetMissing`.
-pub fn lws_missing_message(svc: &LLMService) -> String {
+fn lws_missing_message(svc: &LLMService) -> String {
     format!(
         "spec.engine.pipelineParallelSize is {}, so each replica is a LeaderWorkerSet group of \
          {} pods, but this cluster serves no {}/v1 API. Install LeaderWorkerSet (see \

@@ -267,12 +267,12 @@ fn gpu_tp2_pp2_hf_model_becomes_groups_of_two_pods_with_two_gpus_each() {
             "2",
             "--node-rank",
             "$(LWS_WORKER_INDEX)",
-            "--master-addr",
-            "$(LWS_LEADER_ADDRESS)",
             "--master-port",
             "29500",
             "--group-secret-file",
             "/etc/ferrite/group/secret",
+            "--master-addr",
+            "$(LWS_LEADER_ADDRESS)",
             "--headless"
         ]
     );

@@ -16,8 +16,6 @@ use crate::Error;
 pub const LWS_GROUP: &str = "leaderworkerset.x-k8s.io";
 /// The label LWS gives each pod with its index in the group (0: the leader).
 pub const LWS_WORKER_INDEX_LABEL: &str = "leaderworkerset.sigs.k8s.io/worker-index";
-/// The label LWS gives each pod with its group's index.
-pub const LWS_GROUP_INDEX_LABEL: &str = "leaderworkerset.sigs.k8s.io/group-index";
 
 /// The LeaderWorkerSet resource (`leaderworkerset.x-k8s.io/v1`), for `Api<DynamicObject>`.
 pub fn lws_resource() -> ApiResource {

@@ -18,7 +18,7 @@ use kube::Resource;
 pub use deployment::{deployment, rollout_bounds};
 pub use leaderworkerset::{
     group_secret, leaderworkerset, lws_name, lws_resource, uses_groups, LWS_GROUP,
-    LWS_GROUP_INDEX_LABEL, LWS_WORKER_INDEX_LABEL,
+    LWS_WORKER_INDEX_LABEL,
 };
 pub use pdb::pdb;
 pub use pod::{

@@ -165,36 +165,33 @@ pub fn pod_template(svc: &LLMService, cfg: &RenderConfig, role: Role) -> Result<
         cfg.drain_timeout_seconds.to_string(),
     ];
     args.extend(engine_args(&svc.spec));
+    // The group flags: every rank names the group's size, its own rank, the leader's port
+    // and the secret; LWS's webhook puts the variables a worker's flags name in every
+    // container, and the kubelet expands them.
     let secret_file = format!("{GROUP_SECRET_DIR}/{GROUP_SECRET_KEY}");
-    let stages = pipeline_stages(svc).to_string();
+    let (stages, port) = (pipeline_stages(svc).to_string(), GROUP_PORT.to_string());
+    let group = |rank: &str| {
+        let flags = [
+            "--nnodes",
+            &stages,
+            "--node-rank",
+            rank,
+            "--master-port",
+            &port,
+        ];
+        flags
+            .into_iter()
+            .chain(["--group-secret-file", &secret_file])
+            .map(String::from)
+            .collect::<Vec<_>>()
+    };
     match role {
         Role::Replica => {}
-        Role::Leader => args.extend(
-            ["--nnodes", &stages, "--node-rank", "0"]
-                .map(String::from)
-                .into_iter()
-                .chain(["--master-port".into(), GROUP_PORT.to_string()])
-                .chain(["--group-secret-file".into(), secret_file.clone()]),
-        ),
-        // LWS's webhook puts these variables in every container; the kubelet expands them.
-        Role::Worker => args.extend(
-            [
-                "--nnodes",
-                &stages,
-                "--node-rank",
-                "$(LWS_WORKER_INDEX)",
-                "--master-addr",
-                "$(LWS_LEADER_ADDRESS)",
-            ]
-            .map(String::from)
-            .into_iter()
-            .chain(["--master-port".into(), GROUP_PORT.to_string()])
-            .chain([
-                "--group-secret-file".into(),
-                secret_file.clone(),
-                "--headless".into(),
-            ]),
-        ),
+        Role::Leader => args.extend(group("0")),
+        Role::Worker => {
+            args.extend(group("$(LWS_WORKER_INDEX)"));
+            args.extend(["--master-addr", "$(LWS_LEADER_ADDRESS)", "--headless"].map(String::from));
+        }
     }
 
     let pod = svc.spec.pod.clone().unwrap_or_default();

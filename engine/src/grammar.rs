@@ -244,11 +244,11 @@ impl Constraint {
 }
 
 #[cfg(test)]
-pub(crate) mod tests {
+mod tests {
     use super::*;
 
     /// A tokenizer whose tokens are single bytes plus a few longer pieces and `</s>`.
-    pub(crate) fn tokenizer() -> Tokenizer {
+    fn tokenizer() -> Tokenizer {
         crate::tokenizer::tests::byte_level_tokenizer(&[
             "{\"", "\":", "\": ", "true", "false", "null", "name", "age", "ab", "yes", "no",
         ])
@@ -264,12 +264,7 @@ pub(crate) mod tests {
 
     /// Drives `c` with a seeded random walk over the allowed tokens until the grammar
     /// ends (or `limit` tokens), checking every step's mask; returns the text.
-    pub(crate) fn walk(
-        c: &mut Constraint,
-        tk: &Tokenizer,
-        seed: u64,
-        limit: usize,
-    ) -> (String, bool) {
+    fn walk(c: &mut Constraint, tk: &Tokenizer, seed: u64, limit: usize) -> (String, bool) {
         let ends = tk.stop_token_ids().to_vec();
         let mut state = seed.wrapping_mul(0x9e3779b97f4a7c15) | 1;
         let mut ids = Vec::new();

@@ -10,7 +10,6 @@ mod errors;
 mod metrics;
 pub mod openai;
 mod stream;
-pub mod tools;
 
 use std::future::Future;
 use std::sync::atomic::{AtomicBool, Ordering};

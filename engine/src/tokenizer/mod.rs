@@ -160,11 +160,6 @@ impl Tokenizer {
         self.add_bos && self.bos.is_some()
     }
 
-    /// The model's chat template's source, if it has one.
-    pub fn chat_template_source(&self) -> Option<&str> {
-        self.chat_template.as_deref()
-    }
-
     /// The model's chat template, or an error saying it has none.
     pub fn chat_template(&self) -> Result<ChatTemplate> {
         let source = self.chat_template.as_deref().ok_or_else(|| {

@@ -7,7 +7,6 @@ use serde::Deserialize;
 use crate::grammar::Grammar;
 use crate::sampling::SamplingParams;
 use crate::server::errors::ApiError;
-use crate::server::tools::{ToolChoiceSpec, ToolSpec};
 use crate::tokenizer::ChatMessage;
 
 /// `prompt`: a string, strings, token ids, or lists of token ids.
@@ -356,38 +355,10 @@ pub struct Part {
 /// One chat message.
 #[derive(Debug, Clone, Deserialize)]
 pub struct Message {
-    /// `system`, `user`, `assistant`, `tool` (or `developer`, treated as `system`).
+    /// `system`, `user`, `assistant` (or `developer`, treated as `system`).
     pub role: String,
-    /// The message text; may be null in an assistant turn that calls tools.
-    #[serde(default)]
-    pub content: Option<Content>,
-    /// A participant's name (accepted and ignored).
-    pub name: Option<String>,
-    /// An assistant turn's tool calls.
-    pub tool_calls: Option<Vec<ToolCallIn>>,
-    /// Which call a `tool` turn answers.
-    pub tool_call_id: Option<String>,
-}
-
-/// A tool call in an assistant turn of the conversation.
-#[derive(Debug, Clone, Deserialize)]
-pub struct ToolCallIn {
-    /// The call's id, which the `tool` turn answering it repeats.
-    pub id: Option<String>,
-    /// Always `function`.
-    #[serde(rename = "type")]
-    pub kind: Option<String>,
-    /// The function called.
-    pub function: FunctionCallIn,
-}
-
-/// The function of a tool call in the conversation.
-#[derive(Debug, Clone, Deserialize)]
-pub struct FunctionCallIn {
-    /// Its name.
-    pub name: String,
-    /// Its arguments, a JSON text.
-    pub arguments: String,
+    /// The message text (`name` is accepted and ignored).
+    pub content: Content,
 }
 
 /// `POST /v1/chat/completions`.
@@ -405,87 +376,45 @@ pub struct ChatRequest {
     pub logprobs: Option<bool>,
     /// Alternatives per position, with `logprobs`.
     pub top_logprobs: Option<usize>,
-    /// Function tools the model may call.
-    pub tools: Option<Vec<ToolSpec>>,
-    /// Whether and which tool to call: `none`, `auto`, `required` or a named function.
-    pub tool_choice: Option<ToolChoiceSpec>,
-    /// Whether one answer may call several tools (default true).
-    pub parallel_tool_calls: Option<bool>,
 }
 
 impl ChatRequest {
-    /// The messages as the chat template expects them; a `tool` turn must name the call
-    /// it answers.
+    /// The messages as the chat template expects them.
     pub fn messages(&self) -> Result<Vec<ChatMessage>, ApiError> {
-        chat_messages(&self.messages)
-    }
-}
-
-/// `messages` as the chat template expects them, each mistake a 400 naming `messages`.
-pub fn chat_messages(messages: &[Message]) -> Result<Vec<ChatMessage>, ApiError> {
-    messages
-        .iter()
-        .enumerate()
-        .map(|(i, m)| {
-            let bad = |msg: String| ApiError::bad_request(msg, Some("messages"));
-            let role = match m.role.as_str() {
-                "system" | "user" | "assistant" | "tool" => m.role.clone(),
-                "developer" => "system".into(),
-                other => {
-                    return Err(bad(format!(
-                        "`messages[{i}].role` must be system, developer, user, assistant or tool, got `{other}`"
-                    )))
-                }
-            };
-            let content = match &m.content {
-                None if role == "assistant" && m.tool_calls.is_some() => String::new(),
-                None => return Err(bad(format!("`messages[{i}].content` is missing"))),
-                Some(Content::Text(t)) => t.clone(),
-                Some(Content::Parts(parts)) => {
-                    let mut text = String::new();
-                    for p in parts {
-                        match (p.kind.as_str(), &p.text) {
-                            ("text", Some(t)) => text.push_str(t),
-                            (kind, _) => {
-                                return Err(bad(format!(
-                                    "`messages[{i}].content` part of type `{kind}` is not supported; only `text` parts are"
-                                )))
+        self.messages
+            .iter()
+            .enumerate()
+            .map(|(i, m)| {
+                let role = match m.role.as_str() {
+                    "system" | "user" | "assistant" => m.role.clone(),
+                    "developer" => "system".into(),
+                    other => {
+                        return Err(ApiError::bad_request(
+                            format!("`messages[{i}].role` must be system, user or assistant, got `{other}`"),
+                            Some("messages"),
+                        ))
+                    }
+                };
+                let content = match &m.content {
+                    Content::Text(t) => t.clone(),
+                    Content::Parts(parts) => {
+                        let mut text = String::new();
+                        for p in parts {
+                            match (p.kind.as_str(), &p.text) {
+                                ("text", Some(t)) => text.push_str(t),
+                                (kind, _) => {
+                                    return Err(ApiError::bad_request(
+                                        format!("`messages[{i}].content` part of type `{kind}` is not supported; only `text` parts are"),
+                                        Some("messages"),
+                                    ))
+                                }
                             }
                         }
+                        text
                     }
-                    text
-                }
-            };
-            if role == "tool" && m.tool_call_id.is_none() {
-                return Err(bad(format!(
-                    "`messages[{i}]` has role `tool` but no `tool_call_id`; a tool turn names the call it answers"
-                )));
-            }
-            if m.tool_calls.is_some() && role != "assistant" {
-                return Err(bad(format!(
-                    "`messages[{i}].tool_calls` is only allowed in an assistant turn, not `{role}`"
-                )));
-            }
-            let tool_calls = m.tool_calls.as_ref().map(|calls| {
-                calls
-                    .iter()
-                    .map(|c| {
-                        let arguments = serde_json::from_str::<serde_json::Value>(&c.function.arguments)
-                            .unwrap_or_else(|_| serde_json::Value::String(c.function.arguments.clone()));
-                        serde_json::json!({
-                            "id": c.id,
-                            "type": c.kind.as_deref().unwrap_or("function"),
-                            "function": {"name": c.function.name, "arguments": arguments},
-                        })
-                    })
-                    .collect()
-            });
-            Ok(ChatMessage {
-                role,
-                content,
-                tool_calls,
-                tool_call_id: m.tool_call_id.clone(),
+                };
+                Ok(ChatMessage { role, content })
             })
-        })
-        .collect()
+            .collect()
+    }
 }

@@ -7,7 +7,6 @@
 pub mod download;
 pub mod engine;
 pub mod error;
-pub mod grammar;
 pub mod kv;
 pub mod model;
 pub mod parallel;

@@ -6,7 +6,6 @@ use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
 use crate::error::RequestError;
-use crate::grammar::Constraint;
 
 /// How to pick each next token and when to stop; field names and ranges follow vLLM.
 #[derive(Debug, Clone, PartialEq)]
@@ -45,10 +44,6 @@ pub struct SamplingParams {
     /// Added to these tokens' logits before sampling (OpenAI's `logit_bias`): each bias in
     /// [-100, 100], where -100 in effect bans a token and 100 in effect forces it.
     pub logit_bias: Vec<(u32, f32)>,
-    /// The grammar the output must match (structured output, a forced tool call): each
-    /// step's logits are masked to the tokens it allows, and it ends the sequence where
-    /// it is complete.
-    pub constraint: Option<Constraint>,
 }
 
 impl SamplingParams {
@@ -71,7 +66,6 @@ impl SamplingParams {
         logprobs: None,
         prompt_logprobs: None,
         logit_bias: Vec::new(),
-        constraint: None,
     };
 }
 

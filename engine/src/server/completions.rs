@@ -14,16 +14,13 @@ use serde_json::Value;
 
 use super::errors::{ApiError, Body};
 use super::openai::fields_of;
-use super::openai::request::{
-    note_ignored, ChatRequest, CompletionRequest, Prompt, Sampling, IGNORED_FIELDS,
-};
+use super::openai::request::{ChatRequest, CompletionRequest, Prompt, Sampling, IGNORED_FIELDS};
 use super::openai::response::{
     now_unix, request_id, AssistantMessage, ChatChoice, ChatCompletion, ChatLogprobs, Completion,
     CompletionChoice, CompletionLogprobs, Usage,
 };
 use super::{AppState, Ready};
 use crate::engine::{Collected, Event, Finish, RequestStream};
-use crate::grammar::Constraint;
 use crate::sampling::SamplingParams;
 use crate::sequence::TokenOutput;
 
@@ -62,9 +59,6 @@ fn parse<T: serde::de::DeserializeOwned>(body: &Bytes) -> Result<(T, Sampling), 
             ),
             Some(k),
         ));
-    }
-    for k in obj.keys().filter(|k| IGNORED_FIELDS.contains(&k.as_str())) {
-        note_ignored(k);
     }
     let (sampling_part, own_part): (serde_json::Map<_, _>, serde_json::Map<_, _>) = obj
         .into_iter()
@@ -335,7 +329,6 @@ pub async fn completions(
         req.max_tokens.unwrap_or(SamplingParams::DEFAULT.max_tokens),
         req.logprobs,
     )?;
-    params.constraint = constraint(&ready, &sampling)?;
     let score_prompt = echo && req.logprobs.is_some();
     if score_prompt {
         params.prompt_logprobs = req.logprobs;
@@ -389,8 +382,7 @@ pub async fn chat(
             .saturating_sub(prompt.len())
             .max(1),
     };
-    let mut params = sampling.params(max_tokens, top)?;
-    params.constraint = constraint(&ready, &sampling)?;
+    let params = sampling.params(max_tokens, top)?;
     let (stream, include_usage) = sampling.streaming()?;
     let plan = Plan {
         kind: Kind::Chat,
@@ -405,14 +397,6 @@ pub async fn chat(
         include_usage,
     };
     respond(Arc::clone(&state), ready, plan, params, stream).await
-}
-
-/// The compiled grammar the request's `response_format` or `structured_outputs` asks for.
-fn constraint(ready: &Ready, sampling: &Sampling) -> Result<Option<Constraint>, ApiError> {
-    match sampling.grammar()? {
-        Some((grammar, param)) => ready.constraint(&grammar, param).map(Some),
-        None => Ok(None),
-    }
 }
 
 /// The indexes of the jobs that share job `i`'s prompt, `i` among them.

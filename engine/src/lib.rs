@@ -7,6 +7,7 @@
 pub mod download;
 pub mod engine;
 pub mod error;
+pub mod grammar;
 pub mod kv;
 pub mod model;
 pub mod parallel;

@@ -6,6 +6,7 @@ use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
 use crate::error::RequestError;
+use crate::grammar::Constraint;
 
 /// How to pick each next token and when to stop; field names and ranges follow vLLM.
 #[derive(Debug, Clone, PartialEq)]
@@ -44,6 +45,10 @@ pub struct SamplingParams {
     /// Added to these tokens' logits before sampling (OpenAI's `logit_bias`): each bias in
     /// [-100, 100], where -100 in effect bans a token and 100 in effect forces it.
     pub logit_bias: Vec<(u32, f32)>,
+    /// The grammar the output must match (structured output, a forced tool call): each
+    /// step's logits are masked to the tokens it allows, and it ends the sequence where
+    /// it is complete.
+    pub constraint: Option<Constraint>,
 }
 
 impl SamplingParams {
@@ -66,6 +71,7 @@ impl SamplingParams {
         logprobs: None,
         prompt_logprobs: None,
         logit_bias: Vec::new(),
+        constraint: None,
     };
 }
 

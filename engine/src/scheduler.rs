@@ -157,6 +157,11 @@ impl<E> Scheduler<E> {
         &mut self.running[index]
     }
 
+    /// The generation state of every running sequence, in admission order.
+    pub fn states_mut(&mut self) -> impl Iterator<Item = &mut SequenceState> {
+        self.running.iter_mut().map(|s| &mut s.state)
+    }
+
     /// Number of requests waiting for admission.
     pub fn num_waiting(&self) -> usize {
         self.waiting.len()

@@ -1,6 +1,7 @@
 //! One sequence's generation state: sampling, incremental text, stop tokens and stop strings.
 
 use crate::error::Result;
+use crate::grammar::{Constraint, Mask};
 use crate::model::llama::log_softmax;
 use crate::sampling::{top_logprobs, Sampler, SamplingParams};
 use crate::tokenizer::{IncrementalDecoder, Tokenizer};
@@ -83,11 +84,20 @@ pub struct SequenceState {
     text: String,
     emitted: usize,
     finish: Option<FinishReason>,
+    /// The request's grammar, advanced with every token.
+    constraint: Option<Constraint>,
+    /// The grammar's mask for the next token, when computed ahead (while the step's
+    /// forward pass ran).
+    mask: Option<std::result::Result<Mask, String>>,
+    /// The model's end tokens, which end a constrained sequence where its grammar allows
+    /// an end, even with `ignore_eos`.
+    model_ends: Vec<u32>,
 }
 
 impl SequenceState {
     /// State for generating after `prompt`; `end_ids` are the model's end tokens.
-    pub fn new(prompt: &[u32], params: SamplingParams, end_ids: &[u32]) -> Self {
+    pub fn new(prompt: &[u32], mut params: SamplingParams, end_ids: &[u32]) -> Self {
+        let constraint = params.constraint.take();
         let mut ends: Vec<u32> = if params.ignore_eos {
             Vec::new()
         } else {
@@ -102,6 +112,22 @@ impl SequenceState {
             text: String::new(),
             emitted: 0,
             finish: None,
+            constraint,
+            mask: None,
+            model_ends: end_ids.to_vec(),
+        }
+    }
+
+    /// Whether a grammar constrains this sequence's tokens.
+    pub fn is_constrained(&self) -> bool {
+        self.constraint.is_some()
+    }
+
+    /// Computes the grammar's mask for the next token now, so that [`SequenceState::step`]
+    /// finds it ready (the engine does this while the step's forward pass runs).
+    pub fn prepare_mask(&mut self) {
+        if let Some(c) = self.constraint.as_mut() {
+            self.mask = Some(c.mask());
         }
     }
 
@@ -110,7 +136,11 @@ impl SequenceState {
         self.sampler.params()
     }
 
-    /// Samples the next token from `logits` (modified in place) and advances the text.
+    /// Samples the next token from `logits` (modified in place) and advances the text. A
+    /// grammar masks the logits after the penalties and biases, so the sampled token is
+    /// always one it allows, and it decides where the sequence may end (`min_tokens`
+    /// does not hold back an end it requires); a grammar that fails ends the sequence
+    /// with `abort`.
     pub fn step(&mut self, logits: &mut [f32], tokenizer: &Tokenizer) -> Result<Step> {
         let params = self.sampler.params();
         let want_top = params.logprobs;
@@ -118,15 +148,23 @@ impl SequenceState {
         let max_tokens = params.max_tokens;
         // Log-probabilities before penalties, and only when asked for.
         let raw = want_top.map(|k| (log_softmax(logits), k));
-        let banned: &[u32] = if self.output.len() < min_tokens {
+        let mask = match self.constraint.as_mut() {
+            Some(c) => Some(self.mask.take().unwrap_or_else(|| c.mask())),
+            None => None,
+        };
+        let banned: &[u32] = if self.output.len() < min_tokens && mask.is_none() {
             &self.end_ids
         } else {
             &[]
         };
         self.sampler.adjust_logits(logits, banned);
+        let mut failed = None;
+        match &mask {
+            Some(Ok(m)) => m.apply(logits),
+            Some(Err(e)) => failed = Some(e.clone()),
+            None => {}
+        }
         let id = self.sampler.sample(logits);
-        self.sampler.observe(id);
-        self.output.push(id);
         let token = match raw {
             Some((raw, k)) => TokenOutput::from_logprobs(id, &raw, k),
             None => TokenOutput {
@@ -135,17 +173,40 @@ impl SequenceState {
                 top: Vec::new(),
             },
         };
-        if self.end_ids.contains(&id) {
+        let grammar_end = self.constraint.is_some() && self.model_ends.contains(&id);
+        if let (Some(c), None, false) = (self.constraint.as_mut(), &failed, grammar_end) {
+            if let Err(e) = c.accept(id) {
+                failed = Some(e);
+            }
+        }
+        if let Some(e) = failed {
+            tracing::warn!("a sequence's grammar failed, ending it: {e}");
+            self.finish = Some(FinishReason::Abort);
+            return Ok(Step {
+                token,
+                text: self.take_text(),
+                finished: self.finish,
+            });
+        }
+        self.sampler.observe(id);
+        self.output.push(id);
+        if grammar_end || self.end_ids.contains(&id) {
             self.finish = Some(FinishReason::Stop);
         } else {
             let delta = self.decoder.push(tokenizer, id)?;
             self.text.push_str(&delta);
-            if self.output.len() >= max_tokens {
+            let complete = self
+                .constraint
+                .as_ref()
+                .is_some_and(Constraint::is_finished);
+            if self.output.len() >= max_tokens || complete {
                 let rest = self.decoder.flush(tokenizer)?;
                 self.text.push_str(&rest);
             }
             if let Some(at) = self.find_stop() {
                 self.text.truncate(at);
+                self.finish = Some(FinishReason::Stop);
+            } else if complete {
                 self.finish = Some(FinishReason::Stop);
             } else if self.output.len() >= max_tokens {
                 self.finish = Some(FinishReason::Length);

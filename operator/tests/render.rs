@@ -36,27 +36,47 @@ fn cfg() -> RenderConfig {
     }
 }
 
+/// `v` with every object's keys in sorted order: a snapshot must not depend on whether
+/// serde_json keeps insertion order, a feature any crate in the build may turn on.
+fn sorted_keys(v: Value) -> Value {
+    match v {
+        Value::Object(map) => {
+            let mut entries: Vec<_> = map.into_iter().collect();
+            entries.sort_by(|a, b| a.0.cmp(&b.0));
+            Value::Object(
+                entries
+                    .into_iter()
+                    .map(|(k, v)| (k, sorted_keys(v)))
+                    .collect(),
+            )
+        }
+        Value::Array(items) => Value::Array(items.into_iter().map(sorted_keys).collect()),
+        other => other,
+    }
+}
+
+/// One object as a YAML document with its keys sorted.
+fn yaml_doc(object: &impl serde::Serialize) -> String {
+    let value = serde_json::to_value(object).expect("object serializes");
+    serde_yaml::to_string(&sorted_keys(value)).expect("yaml")
+}
+
 /// Renders every child of `svc` as one multi-document YAML string.
 fn render_all(svc: &LLMService) -> String {
     let replicas = render::spec_replicas(svc);
     let mut docs = if render::uses_groups(svc) {
         let lws = render::leaderworkerset(svc, &cfg(), replicas).expect("leaderworkerset");
         let secret = render::group_secret(svc, "made-by-the-reconciler").expect("secret");
-        vec![serde_yaml::to_string(&lws), serde_yaml::to_string(&secret)]
+        vec![yaml_doc(&lws), yaml_doc(&secret)]
     } else {
         let d = render::deployment(svc, &cfg(), replicas).expect("deployment");
-        vec![serde_yaml::to_string(&d)]
+        vec![yaml_doc(&d)]
     };
-    docs.push(serde_yaml::to_string(
-        &render::service(svc).expect("service"),
-    ));
+    docs.push(yaml_doc(&render::service(svc).expect("service")));
     if let Some(p) = render::pdb(svc, replicas).expect("pdb") {
-        docs.push(serde_yaml::to_string(&p));
+        docs.push(yaml_doc(&p));
     }
-    docs.into_iter()
-        .map(|d| d.expect("yaml"))
-        .collect::<Vec<_>>()
-        .join("---\n")
+    docs.join("---\n")
 }
 
 fn check_snapshot(name: &str, svc: &LLMService) -> Value {

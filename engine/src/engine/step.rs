@@ -252,7 +252,7 @@ impl EngineLoop {
             }
             self.mark_scheduled(&plan);
             let mut input = self.gather(&plan);
-            let mut logits = self.execute(&mut input)?;
+            let mut logits = self.execute(&mut input, &plan)?;
             self.apply(plan, input.prompt_tokens, &input.rows_per_seq, &mut logits)?;
             return Ok(true);
         };
@@ -354,17 +354,43 @@ impl EngineLoop {
         input
     }
 
-    /// One forward pass over the step's tokens (the block tables go to the cache).
-    fn execute(&mut self, input: &mut StepInput) -> Result<Logits> {
+    /// One forward pass over the step's tokens (the block tables go to the cache). The
+    /// grammar masks of the constrained sequences that sample from this step are computed
+    /// on a thread of their own meanwhile, so no sequence waits for them after the pass.
+    fn execute(&mut self, input: &mut StepInput, plan: &[Scheduled]) -> Result<Logits> {
         let batch = Batch {
             tokens: &input.tokens,
             positions: &input.positions,
             seqs: &input.seqs,
         };
+        let sampling: Vec<usize> = plan
+            .iter()
+            .filter(|s| {
+                let seq = &self.sched.running()[s.index];
+                s.start + s.len == seq.tokens.len() && seq.state.is_constrained()
+            })
+            .map(|s| s.index)
+            .collect();
         let (model, cache) = (&self.model.model, &mut self.cache);
         cache.set_tables(std::mem::take(&mut input.tables));
         // One injection into the thread pool per step; its workers run the whole forward.
-        rayon::scope(|_| model.forward(&batch, cache.as_mut(), &input.rows))
+        let forward = |cache: &mut Box<dyn PagedCache>| {
+            rayon::scope(|_| model.forward(&batch, cache.as_mut(), &input.rows))
+        };
+        if sampling.is_empty() {
+            return forward(cache);
+        }
+        let states: Vec<&mut SequenceState> = self
+            .sched
+            .states_mut()
+            .enumerate()
+            .filter(|(i, _)| sampling.contains(i))
+            .map(|(_, s)| s)
+            .collect();
+        std::thread::scope(|scope| {
+            scope.spawn(move || states.into_iter().for_each(SequenceState::prepare_mask));
+            forward(cache)
+        })
     }
 
     /// Starts the step's tokens through the pipeline (the block tables go to every

@@ -14,15 +14,19 @@ use serde_json::Value;
 
 use super::errors::{ApiError, Body};
 use super::openai::fields_of;
-use super::openai::request::{ChatRequest, CompletionRequest, Prompt, Sampling, IGNORED_FIELDS};
+use super::openai::request::{
+    note_ignored, ChatRequest, CompletionRequest, Prompt, Sampling, IGNORED_FIELDS,
+};
 use super::openai::response::{
     now_unix, request_id, AssistantMessage, ChatChoice, ChatCompletion, ChatLogprobs, Completion,
-    CompletionChoice, CompletionLogprobs, Usage,
+    CompletionChoice, CompletionLogprobs, FunctionCall, ToolCall, Usage,
 };
+use super::tools::{ToolFormat, Tools};
 use super::{AppState, Ready};
 use crate::engine::{Collected, Event, Finish, RequestStream};
+use crate::grammar::Constraint;
 use crate::sampling::SamplingParams;
-use crate::sequence::TokenOutput;
+use crate::sequence::{FinishReason, TokenOutput};
 
 /// Which endpoint a response is shaped for.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -59,6 +63,9 @@ fn parse<T: serde::de::DeserializeOwned>(body: &Bytes) -> Result<(T, Sampling), 
             ),
             Some(k),
         ));
+    }
+    for k in obj.keys().filter(|k| IGNORED_FIELDS.contains(&k.as_str())) {
+        note_ignored(k);
     }
     let (sampling_part, own_part): (serde_json::Map<_, _>, serde_json::Map<_, _>) = obj
         .into_iter()
@@ -176,6 +183,8 @@ pub(super) struct Plan {
     /// The prompt is scored (`echo` with `logprobs`): its tokens lead the log-probabilities.
     pub(super) score_prompt: bool,
     pub(super) include_usage: bool,
+    /// A chat request's tools: each choice's text is read for tool calls.
+    pub(super) tools: Option<Arc<Tools>>,
 }
 
 impl Plan {
@@ -268,14 +277,15 @@ async fn respond(
             let choices = done
                 .into_iter()
                 .enumerate()
-                .map(|(index, c)| ChatChoice {
-                    index,
-                    logprobs: plan.logprobs.then(|| ChatLogprobs::new(tk, &c.tokens)),
-                    message: AssistantMessage {
-                        role: "assistant",
-                        content: c.text,
-                    },
-                    finish_reason: c.finish.reason.as_str(),
+                .map(|(index, c)| {
+                    let (message, finish_reason) =
+                        assistant(&state, plan.tools.as_deref(), c.text, c.finish.reason);
+                    ChatChoice {
+                        index,
+                        logprobs: plan.logprobs.then(|| ChatLogprobs::new(tk, &c.tokens)),
+                        message,
+                        finish_reason,
+                    }
                 })
                 .collect();
             Json(ChatCompletion {
@@ -329,6 +339,10 @@ pub async fn completions(
         req.max_tokens.unwrap_or(SamplingParams::DEFAULT.max_tokens),
         req.logprobs,
     )?;
+    params.constraint = constraint(&ready, &sampling)?;
+    if let Some(c) = &params.constraint {
+        state.metrics.note_constrained(c.grammar().kind());
+    }
     let score_prompt = echo && req.logprobs.is_some();
     if score_prompt {
         params.prompt_logprobs = req.logprobs;
@@ -345,6 +359,7 @@ pub async fn completions(
         logprobs: req.logprobs.is_some(),
         score_prompt,
         include_usage,
+        tools: None,
     };
     respond(Arc::clone(&state), ready, plan, params, stream).await
 }
@@ -358,11 +373,22 @@ pub async fn chat(
     let (req, sampling): (ChatRequest, Sampling) = parse(&body)?;
     state.check_model(&req.model)?;
     let n = sampling.n()?;
-    let messages = req.messages()?;
+    let format = ToolFormat::of_template(ready.tokenizer.chat_template_source());
+    let tools = Tools::new(
+        req.tools.as_deref(),
+        req.tool_choice.as_ref(),
+        req.parallel_tool_calls,
+        format,
+    )?;
+    let mut messages = req.messages()?;
+    let mut template_tools = None;
+    if let Some(t) = &tools {
+        messages = t.conversation(messages);
+        template_tools = t.for_template();
+    }
     let template = ready.tokenizer.chat_template()?;
-    let prompt = ready
-        .tokenizer
-        .encode(&template.render(&messages, true)?, false)?;
+    let text = template.render_with_tools(&messages, template_tools.as_ref(), true)?;
+    let prompt = ready.tokenizer.encode(&text, false)?;
     let top = match (req.logprobs.unwrap_or(false), req.top_logprobs) {
         (true, k) => Some(k.unwrap_or(0)),
         (false, Some(_)) => {
@@ -382,7 +408,19 @@ pub async fn chat(
             .saturating_sub(prompt.len())
             .max(1),
     };
-    let params = sampling.params(max_tokens, top)?;
+    let mut params = sampling.params(max_tokens, top)?;
+    let requested = sampling.grammar()?;
+    let tool_grammar = tools
+        .as_ref()
+        .and_then(|t| t.grammar(requested.as_ref().map(|(g, _)| g)));
+    params.constraint = match (tool_grammar, requested) {
+        (Some(g), _) => Some(ready.constraint(&g, "tools")?),
+        (None, Some((g, param))) => Some(ready.constraint(&g, param)?),
+        (None, None) => None,
+    };
+    if let Some(c) = &params.constraint {
+        state.metrics.note_constrained(c.grammar().kind());
+    }
     let (stream, include_usage) = sampling.streaming()?;
     let plan = Plan {
         kind: Kind::Chat,
@@ -395,8 +433,58 @@ pub async fn chat(
         logprobs: top.is_some(),
         score_prompt: false,
         include_usage,
+        tools: tools.map(Arc::new),
     };
     respond(Arc::clone(&state), ready, plan, params, stream).await
+}
+
+/// A chat choice's message and finish reason: with tools, the calls its text makes
+/// (`finish_reason: "tool_calls"`) and the text left for the user.
+pub(super) fn assistant(
+    state: &AppState,
+    tools: Option<&Tools>,
+    text: String,
+    reason: FinishReason,
+) -> (AssistantMessage, &'static str) {
+    let Some(tools) = tools else {
+        let message = AssistantMessage {
+            role: "assistant",
+            content: Some(text),
+            tool_calls: Vec::new(),
+        };
+        return (message, reason.as_str());
+    };
+    let parsed = tools.parse(&text);
+    state.metrics.tool_calls.inc_by(parsed.calls.len() as u64);
+    let finish = match parsed.calls.is_empty() {
+        true => reason.as_str(),
+        false => "tool_calls",
+    };
+    let message = AssistantMessage {
+        role: "assistant",
+        content: parsed.content,
+        tool_calls: parsed
+            .calls
+            .into_iter()
+            .map(|c| ToolCall {
+                id: c.id,
+                kind: "function",
+                function: FunctionCall {
+                    name: c.name,
+                    arguments: c.arguments,
+                },
+            })
+            .collect(),
+    };
+    (message, finish)
+}
+
+/// The compiled grammar the request's `response_format` or `structured_outputs` asks for.
+fn constraint(ready: &Ready, sampling: &Sampling) -> Result<Option<Constraint>, ApiError> {
+    match sampling.grammar()? {
+        Some((grammar, param)) => ready.constraint(&grammar, param).map(Some),
+        None => Ok(None),
+    }
 }
 
 /// The indexes of the jobs that share job `i`'s prompt, `i` among them.

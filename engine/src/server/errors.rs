@@ -96,6 +96,15 @@ impl ApiError {
         }
     }
 
+    /// A 500: the server's own fault.
+    pub fn internal(message: impl Into<String>) -> Self {
+        ApiError {
+            status: StatusCode::INTERNAL_SERVER_ERROR,
+            message: message.into(),
+            param: None,
+        }
+    }
+
     /// A 503: loading, draining or the waiting queue is full.
     pub fn unavailable(message: impl Into<String>) -> Self {
         ApiError {

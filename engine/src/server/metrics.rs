@@ -41,6 +41,10 @@ pub struct Metrics {
     pub generation_tokens: IntCounter,
     /// Finished requests by `finished_reason`.
     pub success: IntCounterVec,
+    /// Tool calls made in answers.
+    pub tool_calls: IntCounter,
+    /// Requests whose output a grammar constrained, by the grammar's kind.
+    structured: IntCounterVec,
     running: IntGauge,
     waiting: IntGauge,
     kv_usage: Gauge,
@@ -107,6 +111,17 @@ impl Metrics {
                 ),
                 &["finished_reason"],
             )?,
+            tool_calls: IntCounter::with_opts(opts(
+                "ferrite:tool_calls_total",
+                "Tool calls made in chat and Responses answers.",
+            ))?,
+            structured: IntCounterVec::new(
+                opts(
+                    "ferrite:structured_output_requests_total",
+                    "Requests whose output a grammar constrained, by kind (json_object, json_schema, regex, choice, grammar).",
+                ),
+                &["kind"],
+            )?,
             running: IntGauge::with_opts(opts(
                 "vllm:num_requests_running",
                 "Number of requests in model execution batches.",
@@ -155,6 +170,8 @@ impl Metrics {
         r.register(Box::new(m.prompt_tokens.clone()))?;
         r.register(Box::new(m.generation_tokens.clone()))?;
         r.register(Box::new(m.success.clone()))?;
+        r.register(Box::new(m.tool_calls.clone()))?;
+        r.register(Box::new(m.structured.clone()))?;
         r.register(Box::new(m.running.clone()))?;
         r.register(Box::new(m.waiting.clone()))?;
         r.register(Box::new(m.kv_usage.clone()))?;
@@ -166,6 +183,11 @@ impl Metrics {
             m.success.with_label_values(&[reason]);
         }
         Ok(m)
+    }
+
+    /// Counts a request whose output a grammar of `kind` constrains.
+    pub fn note_constrained(&self, kind: &str) {
+        self.structured.with_label_values(&[kind]).inc();
     }
 
     /// Records the cache configuration as `vllm:cache_config_info` labels.

@@ -10,6 +10,7 @@ mod errors;
 mod metrics;
 pub mod openai;
 mod stream;
+pub mod tools;
 
 use std::future::Future;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -31,6 +32,7 @@ pub use metrics::Metrics;
 use openai::response::{ModelCard, ModelList};
 
 use crate::engine::EngineHandle;
+use crate::grammar::{Constraint, Grammar, GrammarCompiler};
 use crate::tokenizer::Tokenizer;
 
 /// Server settings that do not depend on the model.
@@ -49,6 +51,34 @@ pub struct Ready {
     pub engine: EngineHandle,
     /// The model's tokenizer (shared with the engine's copy).
     pub tokenizer: Tokenizer,
+    /// Compiles requests' grammars against the vocabulary; built by the first request
+    /// that needs one.
+    grammars: OnceLock<Result<GrammarCompiler, String>>,
+}
+
+impl Ready {
+    /// Compiles `grammar` into a fresh constraint; what is wrong with it is a 400 naming
+    /// `param`.
+    pub fn constraint(&self, grammar: &Grammar, param: &str) -> Result<Constraint, ApiError> {
+        let compiler = self.grammars.get_or_init(|| {
+            GrammarCompiler::new(&self.tokenizer, self.engine.info().vocab_size)
+                .map_err(|e| e.to_string())
+        });
+        let compiler = compiler.as_ref().map_err(|e| {
+            ApiError::internal(format!(
+                "structured output is unavailable for this model: {e}"
+            ))
+        })?;
+        compiler.compile(grammar).map_err(|e| {
+            ApiError::bad_request(
+                format!(
+                    "invalid `{param}`: its {} cannot be enforced: {e}",
+                    grammar.kind()
+                ),
+                Some(param),
+            )
+        })
+    }
 }
 
 /// State shared by every handler.
@@ -91,7 +121,11 @@ impl AppState {
             engine.info().utilization,
             engine.info().prefix_caching,
         );
-        let _ = self.ready.set(Arc::new(Ready { engine, tokenizer }));
+        let _ = self.ready.set(Arc::new(Ready {
+            engine,
+            tokenizer,
+            grammars: OnceLock::new(),
+        }));
     }
 
     /// Ends the engine once it has finished what it holds (after a drain), waiting up to

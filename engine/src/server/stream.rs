@@ -11,11 +11,11 @@ use axum::response::sse::{Event as SseEvent, Sse};
 use futures::stream::{self, Stream, StreamExt};
 use serde::Serialize;
 
-use super::completions::{prompt_entries, siblings, Kind, Plan, Tracker};
+use super::completions::{assistant, prompt_entries, siblings, Kind, Plan, Tracker};
 use super::errors::ApiError;
 use super::openai::response::{
     ChatChunk, ChatLogprobs, ChunkChoice, Completion, CompletionChoice, CompletionLogprobs, Delta,
-    Usage,
+    FunctionDelta, ToolCallDelta, Usage,
 };
 use super::{AppState, Ready};
 use crate::engine::{Event, Finish, RequestStream};
@@ -33,6 +33,7 @@ enum Chunk {
 
 /// What a streamed response has sent so far, and what it still holds back.
 struct StreamState {
+    state: Arc<AppState>,
     ready: Arc<Ready>,
     plan: Plan,
     trackers: Vec<Tracker>,
@@ -45,12 +46,15 @@ struct StreamState {
     /// Events of a scored prompt's later choices, held until the prompt's scores (from its
     /// first choice) have been echoed for them.
     held: Vec<Option<Vec<Event>>>,
+    /// With tools, each choice's text so far: it is read for calls when the choice ends.
+    texts: Vec<String>,
 }
 
 impl StreamState {
     fn new(state: &Arc<AppState>, ready: Arc<Ready>, plan: Plan, arrived: Instant) -> Self {
         let n = plan.jobs.len();
         StreamState {
+            state: Arc::clone(state),
             trackers: (0..n)
                 .map(|_| Tracker::new(arrived, Arc::clone(state)))
                 .collect(),
@@ -58,6 +62,7 @@ impl StreamState {
             completion_tokens: 0,
             cached: 0,
             offsets: vec![0; n],
+            texts: vec![String::new(); n],
             held: plan
                 .jobs
                 .iter()
@@ -98,11 +103,8 @@ impl StreamState {
         for (index, job) in self.plan.jobs.iter().enumerate() {
             let step = match self.plan.kind {
                 Kind::Chat => ChoiceStep {
-                    index,
                     role: true,
-                    text: String::new(),
-                    logprobs: None,
-                    finish: None,
+                    ..ChoiceStep::text(index, String::new())
                 },
                 Kind::Completion if self.plan.score_prompt => continue,
                 Kind::Completion => match self.plan.echo_of(job) {
@@ -198,6 +200,11 @@ impl StreamState {
             }
         });
         self.offsets[i] += tk.token_text(token.id).len();
+        if self.plan.tools.is_some() {
+            // Held until the choice ends and its calls can be read.
+            self.texts[i].push_str(&text);
+            return Vec::new();
+        }
         if text.is_empty() && logprobs.is_none() {
             return Vec::new();
         }
@@ -213,9 +220,47 @@ impl StreamState {
         if self.plan.jobs[i].choice == 0 {
             self.cached += f.cached_tokens;
         }
+        let mut out = Vec::new();
+        let mut finish = f.reason.as_str();
+        if let Some(tools) = self.plan.tools.clone() {
+            let text = std::mem::take(&mut self.texts[i]);
+            let (message, reason) = assistant(&self.state, Some(&tools), text, f.reason);
+            finish = reason;
+            if let Some(content) = message.content.filter(|c| !c.is_empty()) {
+                out.push(self.chunk(Some(ChoiceStep::text(i, content)), None));
+            }
+            for (k, call) in message.tool_calls.into_iter().enumerate() {
+                // The call's id and name, then its arguments, as OpenAI streams them.
+                let named = ToolCallDelta {
+                    index: k,
+                    id: Some(call.id),
+                    kind: Some("function"),
+                    function: FunctionDelta {
+                        name: Some(call.function.name),
+                        arguments: String::new(),
+                    },
+                };
+                let args = ToolCallDelta {
+                    index: k,
+                    id: None,
+                    kind: None,
+                    function: FunctionDelta {
+                        name: None,
+                        arguments: call.function.arguments,
+                    },
+                };
+                for delta in [named, args] {
+                    let step = ChoiceStep {
+                        calls: vec![delta],
+                        ..ChoiceStep::text(i, String::new())
+                    };
+                    out.push(self.chunk(Some(step), None));
+                }
+            }
+        }
         let mut step = ChoiceStep::text(i, String::new());
-        step.finish = Some(f.reason.as_str());
-        let mut out = vec![self.chunk(Some(step), None)];
+        step.finish = Some(finish);
+        out.push(self.chunk(Some(step), None));
         if self.open == 0 && self.plan.include_usage {
             let usage = Usage::new(
                 self.plan.prompt_tokens(),
@@ -242,6 +287,8 @@ struct ChoiceStep {
     text: String,
     logprobs: Option<Logprobs>,
     finish: Option<&'static str>,
+    /// Chat: a tool call's part.
+    calls: Vec<ToolCallDelta>,
 }
 
 impl ChoiceStep {
@@ -252,6 +299,7 @@ impl ChoiceStep {
             text,
             logprobs: None,
             finish: None,
+            calls: Vec::new(),
         }
     }
 
@@ -273,11 +321,18 @@ impl ChoiceStep {
             (true, _) => Delta {
                 role: Some("assistant"),
                 content: Some(self.text),
+                tool_calls: Vec::new(),
             },
             (false, Some(_)) => Delta::default(),
+            (false, None) if !self.calls.is_empty() => Delta {
+                role: None,
+                content: None,
+                tool_calls: self.calls,
+            },
             (false, None) => Delta {
                 role: None,
                 content: Some(self.text),
+                tool_calls: Vec::new(),
             },
         };
         ChunkChoice {

@@ -8,10 +8,17 @@ use crate::error::{Error, RequestError, Result};
 /// One turn of a conversation.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct ChatMessage {
-    /// `system`, `user` or `assistant`.
+    /// `system`, `user`, `assistant` or `tool`.
     pub role: String,
     /// The turn's text.
     pub content: String,
+    /// An assistant turn's tool calls, in OpenAI's shape with `function.arguments` as a
+    /// JSON value (as chat templates read them).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tool_calls: Option<Vec<serde_json::Value>>,
+    /// A tool turn's call id.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tool_call_id: Option<String>,
 }
 
 impl ChatMessage {
@@ -20,6 +27,8 @@ impl ChatMessage {
         ChatMessage {
             role: role.into(),
             content: content.into(),
+            tool_calls: None,
+            tool_call_id: None,
         }
     }
 }
@@ -68,12 +77,24 @@ impl ChatTemplate {
     /// Renders `messages`; with `add_generation_prompt` the text ends where the assistant's
     /// reply begins.
     pub fn render(&self, messages: &[ChatMessage], add_generation_prompt: bool) -> Result<String> {
+        self.render_with_tools(messages, None, add_generation_prompt)
+    }
+
+    /// Renders `messages` with `tools` (OpenAI's list of function tools) given to the
+    /// template as `tools`, as HF's `apply_chat_template(tools=...)` does.
+    pub fn render_with_tools(
+        &self,
+        messages: &[ChatMessage],
+        tools: Option<&serde_json::Value>,
+        add_generation_prompt: bool,
+    ) -> Result<String> {
         if messages.is_empty() {
             return Err(RequestError::NoMessages.into());
         }
         let tmpl = self.env.get_template("chat").map_err(template_error)?;
         tmpl.render(context! {
             messages => messages,
+            tools => tools,
             add_generation_prompt => add_generation_prompt,
             bos_token => self.bos_token,
             eos_token => self.eos_token,

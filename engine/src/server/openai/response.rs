@@ -152,8 +152,58 @@ pub struct ChatChoice {
 pub struct AssistantMessage {
     /// Always `assistant`.
     pub role: &'static str,
-    /// Its text.
-    pub content: String,
+    /// Its text; `null` when the message only calls tools.
+    pub content: Option<String>,
+    /// The tools it calls, when it calls any.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub tool_calls: Vec<ToolCall>,
+}
+
+/// A tool call in a response.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct ToolCall {
+    /// The call's id, which the tool's answer names.
+    pub id: String,
+    /// Always `function`.
+    #[serde(rename = "type")]
+    pub kind: &'static str,
+    /// The function and its arguments.
+    pub function: FunctionCall,
+}
+
+/// The function of a tool call.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct FunctionCall {
+    /// Its name.
+    pub name: String,
+    /// Its arguments, a JSON text.
+    pub arguments: String,
+}
+
+/// A tool call's part of a streamed chunk: its id, type and name first, then its
+/// arguments.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct ToolCallDelta {
+    /// Which call of the message.
+    pub index: usize,
+    /// The call's id, in its first chunk.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub id: Option<String>,
+    /// `function`, in its first chunk.
+    #[serde(rename = "type", skip_serializing_if = "Option::is_none")]
+    pub kind: Option<&'static str>,
+    /// The name (first chunk) or more of the arguments.
+    pub function: FunctionDelta,
+}
+
+/// What a streamed call's function gains in one chunk.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct FunctionDelta {
+    /// The function's name, in the call's first chunk.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub name: Option<String>,
+    /// More of the arguments' JSON text.
+    pub arguments: String,
 }
 
 /// A chunk of a streamed chat completion.
@@ -196,6 +246,9 @@ pub struct Delta {
     /// More text.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub content: Option<String>,
+    /// Tool calls, streamed name first, then arguments.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub tool_calls: Vec<ToolCallDelta>,
 }
 
 /// Chat's log-probabilities: one entry per token.

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # make bench, over HTTP: Ferrite serving the default model, measured by ferrite-bench at
 # concurrency 1, 4, 16 and 64 (128-token prompts, 128 output tokens), at Poisson request
-# rates, on the mixed chat-like workload, as two pipeline stages and as three tensor-parallel
-# ranks at concurrency 1 and 16,
+# rates, on the mixed chat-like workload, with every output held to a JSON schema at
+# concurrency 1 and 16, as two pipeline stages and as three tensor-parallel ranks at
+# concurrency 1 and 16,
 # and with --max-num-seqs 1 (no batching: the naive baseline); closed-loop levels of the fixed workload run $REPEAT times (median and range).
 # Results go to bench/results/results.json; the report and plots next to it.
 set -euo pipefail
@@ -17,6 +18,10 @@ start_server "$LOGS/ferrite.log" "${SERVE[@]}" --max-num-seqs 64
 "$BENCH" run --url "$URL" --label ferrite --results "$RESULTS" --workload "$WORKLOAD" --concurrency 1,4,16,64 --repeat "$REPEAT"
 "$BENCH" run --url "$URL" --label ferrite --results "$RESULTS" --workload "$WORKLOAD" --request-rate 0.25,0.5,1 --requests 16
 "$BENCH" run --url "$URL" --label ferrite --results "$RESULTS" --workload mixed --concurrency 16
+# Structured output: the same requests, each held to a JSON schema (at least 100 short
+# strings, so no answer can end early), beside the unconstrained rows at 1 and 16 above.
+SCHEMA='{"structured_outputs": {"json": {"type": "object", "required": ["words"], "properties": {"words": {"type": "array", "minItems": 100, "items": {"type": "string", "maxLength": 12}}}}}}'
+"$BENCH" run --url "$URL" --label "ferrite json_schema" --results "$RESULTS" --workload "$WORKLOAD" --concurrency 1,16 --repeat "$REPEAT" --extra-body "$SCHEMA"
 stop_server
 
 # Pipeline parallel: two stages on this host, the threads divided between them (on two

@@ -24,9 +24,10 @@ use super::openai::response::{
 use super::tools::{ToolFormat, Tools};
 use super::{AppState, Ready};
 use crate::engine::{Collected, Event, Finish, RequestStream};
-use crate::grammar::Constraint;
+use crate::grammar::Grammar;
 use crate::sampling::SamplingParams;
 use crate::sequence::{FinishReason, TokenOutput};
+use crate::tokenizer::ChatMessage;
 
 /// Which endpoint a response is shaped for.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -35,25 +36,27 @@ pub(super) enum Kind {
     Chat,
 }
 
-/// Parses a JSON body into the endpoint's own fields (`T`) and the sampling fields both
-/// endpoints share, refusing malformed JSON and unknown fields by name. The two are read
-/// apart, each naming a field of the wrong type (a flattened struct would hide the sampling
-/// fields' names); the accepted names come from the structs themselves.
-fn parse<T: serde::de::DeserializeOwned>(body: &Bytes) -> Result<(T, Sampling), ApiError> {
+/// A JSON body's object with each field checked against `known`: another field is refused
+/// by name (the message lists what is accepted) unless OpenAI defines it and it changes
+/// nothing generated ([`IGNORED_FIELDS`]), in which case it is dropped and logged once.
+pub(super) fn known_fields(
+    body: &Bytes,
+    known: &[&'static str],
+) -> Result<serde_json::Map<String, Value>, ApiError> {
     let Value::Object(obj) = super::errors::json_body(body)? else {
         return Err(ApiError::bad_request(
             "the request body must be a JSON object",
             None,
         ));
     };
-    let (own, sampling) = (fields_of::<T>(), fields_of::<Sampling>());
-    let accepted =
-        |k: &str| own.contains(&k) || sampling.contains(&k) || IGNORED_FIELDS.contains(&k);
-    if let Some(k) = obj.keys().find(|k| !accepted(k)) {
-        let all: Vec<&str> = own
+    let ignored = |k: &str| !known.contains(&k) && IGNORED_FIELDS.contains(&k);
+    if let Some(k) = obj
+        .keys()
+        .find(|k| !known.contains(&k.as_str()) && !ignored(k))
+    {
+        let all: Vec<&str> = known
             .iter()
-            .chain(sampling)
-            .chain(IGNORED_FIELDS)
+            .chain(IGNORED_FIELDS.iter().filter(|f| !known.contains(f)))
             .copied()
             .collect();
         return Err(ApiError::bad_request(
@@ -64,13 +67,29 @@ fn parse<T: serde::de::DeserializeOwned>(body: &Bytes) -> Result<(T, Sampling), 
             Some(k),
         ));
     }
-    for k in obj.keys().filter(|k| IGNORED_FIELDS.contains(&k.as_str())) {
-        note_ignored(k);
-    }
-    let (sampling_part, own_part): (serde_json::Map<_, _>, serde_json::Map<_, _>) = obj
+    Ok(obj
         .into_iter()
-        .filter(|(k, _)| !IGNORED_FIELDS.contains(&k.as_str()))
-        .partition(|(k, _)| sampling.contains(&k.as_str()));
+        .filter(|(k, _)| {
+            let drop = ignored(k);
+            if drop {
+                note_ignored(k);
+            }
+            !drop
+        })
+        .collect())
+}
+
+/// Parses a JSON body into the endpoint's own fields (`T`) and the sampling fields both
+/// endpoints share, refusing malformed JSON and unknown fields by name. The two are read
+/// apart, each naming a field of the wrong type (a flattened struct would hide the sampling
+/// fields' names); the accepted names come from the structs themselves.
+fn parse<T: serde::de::DeserializeOwned>(body: &Bytes) -> Result<(T, Sampling), ApiError> {
+    let (own, sampling) = (fields_of::<T>(), fields_of::<Sampling>());
+    let known: Vec<&'static str> = own.iter().chain(sampling).copied().collect();
+    let (sampling_part, own_part): (serde_json::Map<_, _>, serde_json::Map<_, _>) =
+        known_fields(body, &known)?
+            .into_iter()
+            .partition(|(k, _)| sampling.contains(&k.as_str()));
     Ok((
         super::errors::from_json(own_part.into())?,
         super::errors::from_json(sampling_part.into())?,
@@ -87,7 +106,7 @@ pub(super) struct Job {
 
 /// Submits every job together, refusing new work while draining; the engine refuses it
 /// when its waiting queue has no room for all of them.
-fn submit(
+pub(super) fn submit(
     ready: &Ready,
     state: &AppState,
     jobs: &[Job],
@@ -335,14 +354,13 @@ pub async fn completions(
     } else {
         Vec::new()
     };
-    let mut params = sampling.params(
-        req.max_tokens.unwrap_or(SamplingParams::DEFAULT.max_tokens),
-        req.logprobs,
-    )?;
-    params.constraint = constraint(&ready, &sampling)?;
-    if let Some(c) = &params.constraint {
-        state.metrics.note_constrained(c.grammar().kind());
-    }
+    let answer = Answer {
+        max_tokens: Some(req.max_tokens.unwrap_or(SamplingParams::DEFAULT.max_tokens)),
+        logprobs: req.logprobs,
+        tools: None,
+        requested: sampling.grammar()?,
+    };
+    let mut params = answer.params(&state, &ready, &sampling, 0)?;
     let score_prompt = echo && req.logprobs.is_some();
     if score_prompt {
         params.prompt_logprobs = req.logprobs;
@@ -380,15 +398,7 @@ pub async fn chat(
         req.parallel_tool_calls,
         format,
     )?;
-    let mut messages = req.messages()?;
-    let mut template_tools = None;
-    if let Some(t) = &tools {
-        messages = t.conversation(messages);
-        template_tools = t.for_template();
-    }
-    let template = ready.tokenizer.chat_template()?;
-    let text = template.render_with_tools(&messages, template_tools.as_ref(), true)?;
-    let prompt = ready.tokenizer.encode(&text, false)?;
+    let prompt = render_chat(&ready, req.messages()?, tools.as_ref())?;
     let top = match (req.logprobs.unwrap_or(false), req.top_logprobs) {
         (true, k) => Some(k.unwrap_or(0)),
         (false, Some(_)) => {
@@ -399,28 +409,13 @@ pub async fn chat(
         }
         (false, None) => None,
     };
-    let max_tokens = match req.max_completion_tokens.or(req.max_tokens) {
-        Some(m) => m,
-        None => ready
-            .engine
-            .info()
-            .max_model_len
-            .saturating_sub(prompt.len())
-            .max(1),
+    let answer = Answer {
+        max_tokens: req.max_completion_tokens.or(req.max_tokens),
+        logprobs: top,
+        tools: tools.as_ref(),
+        requested: sampling.grammar()?,
     };
-    let mut params = sampling.params(max_tokens, top)?;
-    let requested = sampling.grammar()?;
-    let tool_grammar = tools
-        .as_ref()
-        .and_then(|t| t.grammar(requested.as_ref().map(|(g, _)| g)));
-    params.constraint = match (tool_grammar, requested) {
-        (Some(g), _) => Some(ready.constraint(&g, "tools")?),
-        (None, Some((g, param))) => Some(ready.constraint(&g, param)?),
-        (None, None) => None,
-    };
-    if let Some(c) = &params.constraint {
-        state.metrics.note_constrained(c.grammar().kind());
-    }
+    let params = answer.params(&state, &ready, &sampling, prompt.len())?;
     let (stream, include_usage) = sampling.streaming()?;
     let plan = Plan {
         kind: Kind::Chat,
@@ -436,6 +431,71 @@ pub async fn chat(
         tools: tools.map(Arc::new),
     };
     respond(Arc::clone(&state), ready, plan, params, stream).await
+}
+
+/// A conversation as the model reads it: through its chat template, with the tools it
+/// may call described as its format asks, as prompt tokens.
+pub(super) fn render_chat(
+    ready: &Ready,
+    mut messages: Vec<ChatMessage>,
+    tools: Option<&Tools>,
+) -> Result<Vec<u32>, ApiError> {
+    let mut template_tools = None;
+    if let Some(t) = tools {
+        messages = t.conversation(messages);
+        template_tools = t.for_template();
+    }
+    let template = ready.tokenizer.chat_template()?;
+    let text = template.render_with_tools(&messages, template_tools.as_ref(), true)?;
+    Ok(ready.tokenizer.encode(&text, false)?)
+}
+
+/// What a chat answer may be, besides its sampling fields: chat completions and the
+/// Responses API both fill it.
+pub(super) struct Answer<'a> {
+    /// Most tokens to generate; absent, as many as the context leaves.
+    pub(super) max_tokens: Option<usize>,
+    /// Alternatives per token, when log-probabilities are asked for.
+    pub(super) logprobs: Option<usize>,
+    /// The tools it may call.
+    pub(super) tools: Option<&'a Tools>,
+    /// The grammar the request asks the answer to match, and the field that asked.
+    pub(super) requested: Option<(Grammar, &'static str)>,
+}
+
+impl Answer<'_> {
+    /// The engine's parameters for an answer to a prompt of `prompt_len` tokens, with the
+    /// tools' grammar (which takes the requested one in) or else the requested one.
+    pub(super) fn params(
+        self,
+        state: &AppState,
+        ready: &Ready,
+        sampling: &Sampling,
+        prompt_len: usize,
+    ) -> Result<SamplingParams, ApiError> {
+        let max_tokens = match self.max_tokens {
+            Some(m) => m,
+            None => ready
+                .engine
+                .info()
+                .max_model_len
+                .saturating_sub(prompt_len)
+                .max(1),
+        };
+        let mut params = sampling.params(max_tokens, self.logprobs)?;
+        let tool_grammar = self
+            .tools
+            .and_then(|t| t.grammar(self.requested.as_ref().map(|(g, _)| g)));
+        params.constraint = match (tool_grammar, self.requested) {
+            (Some(g), _) => Some(ready.constraint(&g, "tools")?),
+            (None, Some((g, param))) => Some(ready.constraint(&g, param)?),
+            (None, None) => None,
+        };
+        if let Some(c) = &params.constraint {
+            state.metrics.note_constrained(c.grammar().kind());
+        }
+        Ok(params)
+    }
 }
 
 /// A chat choice's message and finish reason: with tools, the calls its text makes
@@ -477,14 +537,6 @@ pub(super) fn assistant(
             .collect(),
     };
     (message, finish)
-}
-
-/// The compiled grammar the request's `response_format` or `structured_outputs` asks for.
-fn constraint(ready: &Ready, sampling: &Sampling) -> Result<Option<Constraint>, ApiError> {
-    match sampling.grammar()? {
-        Some((grammar, param)) => ready.constraint(&grammar, param).map(Some),
-        None => Ok(None),
-    }
 }
 
 /// The indexes of the jobs that share job `i`'s prompt, `i` among them.

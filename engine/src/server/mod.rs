@@ -9,6 +9,8 @@ mod completions;
 mod errors;
 mod metrics;
 pub mod openai;
+mod response_store;
+mod responses;
 mod stream;
 pub mod tools;
 
@@ -43,6 +45,8 @@ pub struct ServerConfig {
     pub served_model_names: Vec<String>,
     /// How long in-flight requests may run after SIGTERM.
     pub shutdown_timeout: Duration,
+    /// Most responses kept for `previous_response_id` (0: none).
+    pub max_stored_responses: usize,
 }
 
 /// What exists once the model has loaded.
@@ -87,6 +91,8 @@ pub struct AppState {
     pub config: ServerConfig,
     /// Metrics exported at `/metrics`.
     pub metrics: Metrics,
+    /// Responses kept for `previous_response_id`.
+    responses: response_store::ResponseStore,
     ready: OnceLock<Arc<Ready>>,
     draining: AtomicBool,
 }
@@ -105,6 +111,7 @@ impl AppState {
         let first = config.served_model_names.first().map_or("", String::as_str);
         let metrics = Metrics::new(first)?;
         Ok(Arc::new(AppState {
+            responses: response_store::ResponseStore::new(config.max_stored_responses),
             config,
             metrics,
             ready: OnceLock::new(),
@@ -171,6 +178,11 @@ pub fn router(state: Arc<AppState>) -> Router {
     Router::new()
         .route("/v1/completions", post(completions::completions))
         .route("/v1/chat/completions", post(completions::chat))
+        .route("/v1/responses", post(responses::create))
+        .route(
+            "/v1/responses/{id}",
+            get(responses::retrieve).delete(responses::delete),
+        )
         .route("/v1/models", get(models))
         .route("/health", get(health))
         .route("/metrics", get(metrics))
@@ -360,6 +372,7 @@ mod tests {
         AppState::new(ServerConfig {
             served_model_names: vec!["m".into()],
             shutdown_timeout: Duration::from_secs(1),
+            max_stored_responses: 4,
         })
         .expect("metrics register")
     }
@@ -559,6 +572,7 @@ mod tests {
         let state = AppState::new(ServerConfig {
             served_model_names: vec!["smol".into(), "smollm2-135m".into()],
             shutdown_timeout: Duration::from_secs(1),
+            max_stored_responses: 4,
         })
         .expect("metrics register");
         assert!(state.check_model("smol").is_ok());

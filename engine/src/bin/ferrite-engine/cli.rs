@@ -87,6 +87,10 @@ pub struct ServerArgs {
     /// Seconds in-flight requests may run after SIGTERM.
     #[arg(long, default_value_t = 30)]
     pub shutdown_timeout: u64,
+    /// Most Responses API responses kept in memory for `previous_response_id` and
+    /// `GET /v1/responses/{id}`, the oldest evicted first; 0 stores none.
+    #[arg(long, env = "FERRITE_MAX_STORED_RESPONSES", default_value_t = 1024)]
+    pub max_stored_responses: usize,
 }
 
 /// Flags of `ferrite-engine serve`.

@@ -84,6 +84,8 @@ fn serve(args: ServeArgs) -> Result<()> {
             sv.port.to_string(),
             "--shutdown-timeout".into(),
             sv.shutdown_timeout.to_string(),
+            "--max-stored-responses".into(),
+            sv.max_stored_responses.to_string(),
             "--max-waiting-requests".into(),
             args.scheduler.max_waiting_requests.to_string(),
         ]);
@@ -126,6 +128,7 @@ fn serve(args: ServeArgs) -> Result<()> {
     let config = ServerConfig {
         served_model_names: names,
         shutdown_timeout: std::time::Duration::from_secs(args.server.shutdown_timeout),
+        max_stored_responses: args.server.max_stored_responses,
     };
     let engine_config = engine_config(&args.cache, &args.scheduler);
     let load_options = args.load.options();

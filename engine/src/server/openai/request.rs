@@ -293,8 +293,8 @@ impl Sampling {
 /// endpoint and ignored, each logged the first time a request sends it. Storage and
 /// billing hints (`store`, `metadata`, `service_tier`, `user`, `safety_identifier`), cache
 /// and latency hints (`prompt_cache_key`, `prompt_cache_retention`, `prediction`), and
-/// `reasoning_effort`, which only reasoning models read and which the models Ferrite runs
-/// do not.
+/// `reasoning_effort` and `verbosity`, which only reasoning models read and which the
+/// models Ferrite runs do not.
 pub const IGNORED_FIELDS: &[&str] = &[
     "store",
     "metadata",
@@ -305,6 +305,7 @@ pub const IGNORED_FIELDS: &[&str] = &[
     "prompt_cache_retention",
     "prediction",
     "reasoning_effort",
+    "verbosity",
 ];
 
 /// Logs, once per field name for the life of the process, that a request sent a field
@@ -469,15 +470,7 @@ pub fn chat_messages(messages: &[Message]) -> Result<Vec<ChatMessage>, ApiError>
             let tool_calls = m.tool_calls.as_ref().map(|calls| {
                 calls
                     .iter()
-                    .map(|c| {
-                        let arguments = serde_json::from_str::<serde_json::Value>(&c.function.arguments)
-                            .unwrap_or_else(|_| serde_json::Value::String(c.function.arguments.clone()));
-                        serde_json::json!({
-                            "id": c.id,
-                            "type": c.kind.as_deref().unwrap_or("function"),
-                            "function": {"name": c.function.name, "arguments": arguments},
-                        })
-                    })
+                    .map(|c| template_call(c.id.as_deref(), &c.function.name, &c.function.arguments))
                     .collect()
             });
             Ok(ChatMessage {
@@ -488,4 +481,16 @@ pub fn chat_messages(messages: &[Message]) -> Result<Vec<ChatMessage>, ApiError>
             })
         })
         .collect()
+}
+
+/// A function call as chat templates read it: OpenAI's shape, with the arguments parsed as
+/// JSON when they are JSON.
+pub fn template_call(id: Option<&str>, name: &str, arguments: &str) -> serde_json::Value {
+    let arguments = serde_json::from_str::<serde_json::Value>(arguments)
+        .unwrap_or_else(|_| serde_json::Value::String(arguments.to_string()));
+    serde_json::json!({
+        "id": id,
+        "type": "function",
+        "function": {"name": name, "arguments": arguments},
+    })
 }

@@ -136,7 +136,7 @@ def test_a_required_tool_call_validates_and_its_output_is_answered(strict):
     assert items.output_text == followup.output_text
 
 
-def test_a_streamed_tool_call_sends_the_item_then_its_arguments(strict):
+def test_a_streamed_tool_call_sends_the_item_then_its_arguments_as_they_grow(strict):
     events = list(strict.responses.create(model=NAME, input="Weather in Rome?", tools=[WEATHER],
                                           tool_choice={"type": "function", "name": "get_weather"},
                                           temperature=0, max_output_tokens=60, stream=True))
@@ -144,8 +144,13 @@ def test_a_streamed_tool_call_sends_the_item_then_its_arguments(strict):
     i = types.index("response.function_call_arguments.delta")
     assert types[i - 1] == "response.output_item.added" and events[i - 1].item.type == "function_call"
     assert events[i - 1].item.name == "get_weather"
+    first = events[i - 1].item.id
+    deltas = [e.delta for e in events if e.type == "response.function_call_arguments.delta" and e.item_id == first]
     done = events[types.index("response.function_call_arguments.done")]
+    assert done.item_id == first
+    assert len(deltas) > 2 and "".join(deltas) == done.arguments
     jsonschema.validate(json.loads(done.arguments), CITY)
+    assert events[-1].response.output[0].arguments == done.arguments
     assert types[-1] == "response.completed"
 
 

@@ -5,6 +5,7 @@
 //! serves. SIGTERM turns health to 503, refuses new requests and lets in-flight ones
 //! finish up to the shutdown timeout.
 
+mod call_reader;
 mod completions;
 mod errors;
 mod metrics;

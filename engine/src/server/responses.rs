@@ -15,6 +15,7 @@ use axum::Json;
 use futures::stream::{self, StreamExt};
 use serde_json::{json, Value};
 
+use super::call_reader::{CallPiece, CallReader};
 use super::completions::{assistant, known_fields, render_chat, submit, Answer, Job, Tracker};
 use super::errors::{from_json, ApiError, Body};
 use super::openai::fields_of;
@@ -26,7 +27,7 @@ use super::openai::responses::{
     TokenLogprob,
 };
 use super::response_store::{Lookup, Stored};
-use super::tools::{NamedFunction, ToolChoiceSpec, ToolFormat, ToolSpec, Tools};
+use super::tools::{Call, NamedFunction, ToolChoiceSpec, ToolFormat, ToolSpec, Tools};
 use super::{AppState, Ready};
 use crate::engine::{Event, Finish, RequestStream};
 use crate::grammar::Grammar;
@@ -431,40 +432,64 @@ struct Turn {
 impl Turn {
     /// The output items of the answer `text` (read for calls when there are tools), in a
     /// message whose id is `message_id`.
+    /// The output items of the answer `text` (read for calls when there are tools), in a
+    /// message whose id is `message_id`; calls already streamed as they were written
+    /// (`streamed`, with their item ids) come first and stand for the calls in the text.
     fn items(
         &self,
         message_id: &str,
         text: String,
         tokens: &[TokenOutput],
         finish: &Finish,
+        streamed: &[(String, Call)],
     ) -> Vec<OutputItem> {
         let (message, reason) = assistant(&self.state, self.tools.as_ref(), text, finish.reason);
         let status = match finish.reason {
             FinishReason::Length => "incomplete",
             _ => "completed",
         };
-        let mut items = Vec::new();
-        let content = message.content.unwrap_or_default();
-        if !content.is_empty() || message.tool_calls.is_empty() {
+        let (content, calls): (String, Vec<(String, Call)>) = match streamed {
+            [] => (
+                message.content.unwrap_or_default(),
+                message
+                    .tool_calls
+                    .into_iter()
+                    .map(|c| {
+                        let call = Call {
+                            id: c.id,
+                            name: c.function.name,
+                            arguments: c.function.arguments,
+                        };
+                        (item_id("fc"), call)
+                    })
+                    .collect(),
+            ),
+            _ => (String::new(), streamed.to_vec()),
+        };
+        let mut items: Vec<OutputItem> = calls
+            .into_iter()
+            .map(|(id, call)| OutputItem::FunctionCall {
+                id,
+                call_id: call.id,
+                name: call.name,
+                arguments: call.arguments,
+                status,
+            })
+            .collect();
+        if !content.is_empty() || items.is_empty() {
             let logprobs = match self.logprobs && reason != "tool_calls" {
                 true => token_logprobs(&self.ready, tokens),
                 false => Vec::new(),
             };
-            items.push(OutputItem::Message {
-                id: message_id.to_string(),
-                status,
-                role: "assistant",
-                content: vec![OutputText::new(content, logprobs)],
-            });
-        }
-        for call in message.tool_calls {
-            items.push(OutputItem::FunctionCall {
-                id: item_id("fc"),
-                call_id: call.id,
-                name: call.function.name,
-                arguments: call.function.arguments,
-                status: "completed",
-            });
+            items.insert(
+                0,
+                OutputItem::Message {
+                    id: message_id.to_string(),
+                    status,
+                    role: "assistant",
+                    content: vec![OutputText::new(content, logprobs)],
+                },
+            );
         }
         items
     }
@@ -515,7 +540,7 @@ impl Turn {
         tokens: &[TokenOutput],
         finish: &Finish,
     ) -> ResponseObject {
-        let items = self.items(message_id, text, tokens, finish);
+        let items = self.items(message_id, text, tokens, finish, &[]);
         self.done(items, finish)
     }
 
@@ -527,6 +552,8 @@ impl Turn {
     ) -> Sse<impl futures::Stream<Item = Result<SseEvent, Infallible>>> {
         let tracker = Tracker::new(arrived, Arc::clone(&self.state));
         let mut events = EventStream {
+            reader: self.tools.as_ref().and_then(CallReader::new),
+            call_items: Vec::new(),
             turn: self,
             tracker,
             next: 0,
@@ -597,6 +624,10 @@ struct EventStream {
     text: String,
     tokens: Vec<TokenOutput>,
     finished: bool,
+    /// With tools whose calls a grammar shapes, the calls read as they are written.
+    reader: Option<CallReader>,
+    /// The item ids of the calls streamed so far.
+    call_items: Vec<String>,
 }
 
 impl EventStream {
@@ -655,7 +686,10 @@ impl EventStream {
     fn on_token(&mut self, token: TokenOutput, text: String) -> Vec<Numbered> {
         self.text.push_str(&text);
         self.tokens.push(token);
-        if self.turn.tools.is_some() || text.is_empty() {
+        if self.turn.tools.is_some() {
+            return self.on_call_text();
+        }
+        if text.is_empty() {
             return Vec::new();
         }
         let mut out = Vec::new();
@@ -677,13 +711,58 @@ impl EventStream {
         out
     }
 
+    /// With tools, the calls the text has grown: an item as each call is named, then its
+    /// arguments as they are written (nothing where no grammar shapes the calls: they are
+    /// read when the answer ends).
+    fn on_call_text(&mut self) -> Vec<Numbered> {
+        let Some(reader) = self.reader.as_mut() else {
+            return Vec::new();
+        };
+        let pieces = reader.advance(&self.text);
+        let mut out = Vec::new();
+        for piece in pieces {
+            let event = match piece {
+                CallPiece::Named { index, id, name } => {
+                    let item_id = item_id("fc");
+                    self.call_items.push(item_id.clone());
+                    StreamEvent::ItemAdded {
+                        output_index: index,
+                        item: OutputItem::FunctionCall {
+                            id: item_id,
+                            call_id: id,
+                            name,
+                            arguments: String::new(),
+                            status: "in_progress",
+                        },
+                    }
+                }
+                CallPiece::Arguments { index, text } => StreamEvent::ArgumentsDelta {
+                    item_id: self.call_items[index].clone(),
+                    output_index: index,
+                    delta: text,
+                },
+            };
+            out.push(self.number(event));
+        }
+        out
+    }
+
     /// The items' closing events (opening those not yet open), then the whole response.
     fn on_finished(&mut self, finish: &Finish) -> Vec<Numbered> {
         self.finished = true;
         let text = std::mem::take(&mut self.text);
+        let streamed: Vec<(String, Call)> = match &self.reader {
+            Some(reader) => self
+                .call_items
+                .iter()
+                .cloned()
+                .zip(reader.calls().iter().cloned())
+                .collect(),
+            None => Vec::new(),
+        };
         let items = self
             .turn
-            .items(&self.message_id, text, &self.tokens, finish);
+            .items(&self.message_id, text, &self.tokens, finish, &streamed);
         let mut out = Vec::new();
         for (index, item) in items.iter().enumerate() {
             match item {
@@ -719,6 +798,13 @@ impl EventStream {
                         };
                         out.push(self.number(part_done));
                     }
+                }
+                OutputItem::FunctionCall { id, arguments, .. } if index < streamed.len() => {
+                    out.push(self.number(StreamEvent::ArgumentsDone {
+                        item_id: id.clone(),
+                        output_index: index,
+                        arguments: arguments.clone(),
+                    }));
                 }
                 OutputItem::FunctionCall { id, arguments, .. } => {
                     let mut opened = item.clone();

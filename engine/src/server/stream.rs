@@ -11,6 +11,7 @@ use axum::response::sse::{Event as SseEvent, Sse};
 use futures::stream::{self, Stream, StreamExt};
 use serde::Serialize;
 
+use super::call_reader::{CallPiece, CallReader};
 use super::completions::{assistant, prompt_entries, siblings, Kind, Plan, Tracker};
 use super::errors::ApiError;
 use super::openai::response::{
@@ -19,7 +20,7 @@ use super::openai::response::{
 };
 use super::{AppState, Ready};
 use crate::engine::{Event, Finish, RequestStream};
-use crate::sequence::TokenOutput;
+use crate::sequence::{FinishReason, TokenOutput};
 
 /// One Server-Sent Event's data.
 #[derive(Debug, Serialize)]
@@ -48,6 +49,9 @@ struct StreamState {
     held: Vec<Option<Vec<Event>>>,
     /// With tools, each choice's text so far: it is read for calls when the choice ends.
     texts: Vec<String>,
+    /// With tools whose every call a grammar shapes, each choice's calls read as they are
+    /// written, so they stream as they grow.
+    readers: Vec<Option<CallReader>>,
 }
 
 impl StreamState {
@@ -63,6 +67,7 @@ impl StreamState {
             cached: 0,
             offsets: vec![0; n],
             texts: vec![String::new(); n],
+            readers: vec![plan.tools.as_deref().and_then(CallReader::new); n],
             held: plan
                 .jobs
                 .iter()
@@ -201,9 +206,43 @@ impl StreamState {
         });
         self.offsets[i] += tk.token_text(token.id).len();
         if self.plan.tools.is_some() {
-            // Held until the choice ends and its calls can be read.
+            // Read for calls as it grows where a grammar shapes them, else held until the
+            // choice ends and its calls can be read.
             self.texts[i].push_str(&text);
-            return Vec::new();
+            let pieces = match self.readers[i].as_mut() {
+                Some(reader) => reader.advance(&self.texts[i]),
+                None => Vec::new(),
+            };
+            return pieces
+                .into_iter()
+                .map(|piece| {
+                    let delta = match piece {
+                        CallPiece::Named { index, id, name } => ToolCallDelta {
+                            index,
+                            id: Some(id),
+                            kind: Some("function"),
+                            function: FunctionDelta {
+                                name: Some(name),
+                                arguments: String::new(),
+                            },
+                        },
+                        CallPiece::Arguments { index, text } => ToolCallDelta {
+                            index,
+                            id: None,
+                            kind: None,
+                            function: FunctionDelta {
+                                name: None,
+                                arguments: text,
+                            },
+                        },
+                    };
+                    let step = ChoiceStep {
+                        calls: vec![delta],
+                        ..ChoiceStep::text(i, String::new())
+                    };
+                    self.chunk(Some(step), None)
+                })
+                .collect();
         }
         if text.is_empty() && logprobs.is_none() {
             return Vec::new();
@@ -222,7 +261,16 @@ impl StreamState {
         }
         let mut out = Vec::new();
         let mut finish = f.reason.as_str();
-        if let Some(tools) = self.plan.tools.clone() {
+        let streamed = self.readers[i].as_ref().is_some_and(CallReader::started);
+        if let Some(tools) = self.plan.tools.clone().filter(|_| streamed) {
+            // The calls went out as they were written; what the text says is only counted.
+            let text = std::mem::take(&mut self.texts[i]);
+            assistant(&self.state, Some(&tools), text, f.reason);
+            finish = match f.reason {
+                FinishReason::Length => "length",
+                _ => "tool_calls",
+            };
+        } else if let Some(tools) = self.plan.tools.clone() {
             let text = std::mem::take(&mut self.texts[i]);
             let (message, reason) = assistant(&self.state, Some(&tools), text, f.reason);
             finish = reason;

@@ -132,6 +132,18 @@ pub fn served_model_name(svc: &LLMService) -> String {
         .unwrap_or_else(|| "model".into())
 }
 
+/// Every `model` name the LLMService answers to: [`served_model_name`] first (it names the
+/// engine's metrics), then `spec.model.aliases`, each once.
+pub fn served_model_names(svc: &LLMService) -> Vec<String> {
+    let mut names = vec![served_model_name(svc)];
+    for alias in &svc.spec.model.aliases {
+        if !names.contains(alias) {
+            names.push(alias.clone());
+        }
+    }
+    names
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

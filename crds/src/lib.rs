@@ -6,7 +6,7 @@
 pub mod engine_args;
 pub mod llmservice;
 
-pub use engine_args::{engine_args, served_model_name, ModelSource};
+pub use engine_args::{engine_args, served_model_name, served_model_names, ModelSource};
 pub use llmservice::{
     EngineSpec, LLMService, LLMServiceSpec, LLMServiceStatus, ModelSpec, ParallelismStatus,
 };

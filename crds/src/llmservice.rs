@@ -111,6 +111,13 @@ pub struct ModelSpec {
     /// The `model` value clients send in OpenAI requests; default: `metadata.name`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub served_name: Option<String>,
+    /// More `model` values this LLMService answers to, beside `servedName` (the engine
+    /// serves each, and the router routes each here): at most 8 distinct names.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schemars(length(max = 8), extend("x-kubernetes-list-type" = "set"))]
+    #[x_kube(validation = Rule::new("self.all(a, size(a) > 0 && size(a) <= 256)")
+        .message("spec.model.aliases must be names of 1 to 256 characters"))]
+    pub aliases: Vec<String>,
     /// Secret holding `HF_TOKEN` for gated or private Hugging Face repositories.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub token_hub_secret: Option<String>,
@@ -204,9 +211,14 @@ impl Quantization {
     .message("spec.autoscaling.minReplicas must not exceed maxReplicas").field_path(".minReplicas"))]
 #[x_kube(validation = Rule::new("has(self.targetTTFTSeconds) || has(self.targetQueueDepth)")
     .message("spec.autoscaling needs targetTTFTSeconds, targetQueueDepth or both"))]
+#[x_kube(validation = Rule::new("!has(self.scaleToZeroAfterSeconds) || self.minReplicas == 0")
+    .message("spec.autoscaling.scaleToZeroAfterSeconds applies only with minReplicas: 0")
+    .field_path(".scaleToZeroAfterSeconds"))]
 pub struct AutoscalingSpec {
-    /// Fewest replicas (at least 1).
-    #[schemars(range(min = 1))]
+    /// Fewest replicas. 0 lets the LLMService scale to zero after `scaleToZeroAfterSeconds`
+    /// without requests; a request through the router then brings one replica back, held
+    /// until it is ready.
+    #[schemars(range(min = 0))]
     pub min_replicas: i32,
     /// Most replicas.
     #[schemars(range(min = 1))]
@@ -238,6 +250,11 @@ pub struct AutoscalingSpec {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(range(min = 0))]
     pub scale_down_stabilization_seconds: Option<i64>,
+    /// With `minReplicas: 0`, seconds without a request (none running, waiting or finished)
+    /// before the LLMService scales to zero; default 600.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 1))]
+    pub scale_to_zero_after_seconds: Option<i64>,
 }
 
 /// Pod-level settings of the engine pods.
@@ -299,7 +316,8 @@ pub struct LLMServiceStatus {
     /// The `metadata.generation` this status describes.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub observed_generation: Option<i64>,
-    /// Pending, Loading, Ready, Degraded or Failed.
+    /// Pending, Loading, Ready, Idle (scaled to zero, comes back on demand), Degraded or
+    /// Failed.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub phase: Option<String>,
     /// Replicas that exist: engine pods, or groups of pods when the model is split into
@@ -359,4 +377,8 @@ pub struct AutoscalingStatus {
     /// Why it last changed.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub last_scale_reason: Option<String>,
+    /// When a request last arrived for the model while it had no replica (RFC 3339): the
+    /// router writes it, and an LLMService at zero scales to one replica.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub activation_requested_at: Option<String>,
 }

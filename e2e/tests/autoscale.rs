@@ -98,6 +98,7 @@ async fn autoscaler_scales_real_engines_up_under_load_and_down_after_stabilizati
         queue_depth: Some(1.0),
         window_seconds: 3.0,
         stabilization_seconds: 5.0,
+        scale_to_zero_after: None,
     };
     let current = 2;
     let mut state = ServiceState::default();
@@ -117,7 +118,7 @@ async fn autoscaler_scales_real_engines_up_under_load_and_down_after_stabilizati
         tokio::time::sleep(interval).await;
         let now = started.elapsed().as_secs_f64();
         let ev = state
-            .evaluate(&http, &targets, current, &endpoints, now, timeout)
+            .evaluate(&http, &targets, current, &endpoints, now, timeout, false)
             .await;
         assert!(ev.samples.iter().all(Option::is_some), "a scrape failed");
         // Wait for both signals: the queue at once, TTFT once a window has two scrapes.
@@ -158,7 +159,7 @@ async fn autoscaler_scales_real_engines_up_under_load_and_down_after_stabilizati
         tokio::time::sleep(interval).await;
         let now = started.elapsed().as_secs_f64();
         let ev = state
-            .evaluate(&http, &targets, current, &endpoints, now, timeout)
+            .evaluate(&http, &targets, current, &endpoints, now, timeout, false)
             .await;
         if ev.decision.recommendation >= current {
             last_up_vote = now;

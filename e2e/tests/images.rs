@@ -102,3 +102,15 @@ fn operator_image_runs_the_operator_binary() {
     // The chart runs the pod as the image's user.
     assert!(read("charts/ferrite/templates/deployment.yaml").contains("runAsUser: 65532"));
 }
+
+#[test]
+fn router_image_runs_the_router_binary() {
+    let bin = check_image("router/Dockerfile", "router/Cargo.toml", "ferrite-router");
+    assert_eq!(bin, "ferrite-router");
+    let dockerfile = read("router/Dockerfile");
+    assert!(
+        dockerfile.contains("x86_64-unknown-linux-musl")
+            && dockerfile.contains("distroless/static")
+    );
+    assert!(dockerfile.contains("EXPOSE 8000"), "the OpenAI port");
+}

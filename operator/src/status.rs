@@ -226,7 +226,20 @@ pub fn compute(
     let unit = if groups { "groups" } else { "replicas" };
     let pods = observed.pods.len();
 
-    let (phase, ready_reason, ready_message) = if desired == 0 {
+    let scales_from_zero = svc
+        .spec
+        .autoscaling
+        .as_ref()
+        .is_some_and(|a| a.min_replicas == 0);
+    let (phase, ready_reason, ready_message) = if desired == 0 && scales_from_zero {
+        (
+            "Idle",
+            "NoReplicas",
+            "scaled to zero without requests; the next request through the router brings a \
+             replica back"
+                .to_string(),
+        )
+    } else if desired == 0 {
         (
             "Pending",
             "NoReplicas",

@@ -1,7 +1,9 @@
 //! Small pieces every Ferrite binary shares: waiting for the signal that stops a process,
-//! and the percentile its reports use.
+//! the percentile its reports use, and what an engine's `/metrics` says.
 
 #![forbid(unsafe_code)]
+
+pub mod engine_metrics;
 
 /// Resolves on SIGTERM (what Kubernetes sends a pod it stops) or Ctrl-C.
 pub async fn shutdown_signal() {

@@ -4,7 +4,6 @@
 //! `LLMService.spec` is never written, so a GitOps tool that owns the manifest never fights it.
 
 pub mod policy;
-pub mod window;
 
 use std::collections::HashMap;
 use std::time::Duration;
@@ -21,8 +20,8 @@ use serde_json::json;
 
 use crate::render::LLMSERVICE_LABEL;
 use crate::status;
+use ferrite_util::engine_metrics::{self as window, scrape, EngineSample, PodWindow};
 use policy::{decide, Inputs, PodLoad, Recommendation, Targets};
-use window::{EngineSample, PodWindow};
 
 /// The annotation the ReplicaSet controller reads to choose which pods to remove first.
 pub const POD_DELETION_COST: &str = "controller.kubernetes.io/pod-deletion-cost";
@@ -107,6 +106,10 @@ impl AutoscaleMetrics {
 pub struct ServiceState {
     windows: HashMap<String, PodWindow>,
     history: Vec<Recommendation>,
+    /// Each pod's finished-requests counter at its last scrape.
+    finished: HashMap<String, f64>,
+    /// When a request was last seen (on the caller's clock); unset until the first interval.
+    last_activity: Option<f64>,
 }
 
 /// What one interval scraped and decided.
@@ -124,7 +127,9 @@ impl ServiceState {
     /// One interval: scrapes every endpoint concurrently (`(pod name, metrics URL)`; no URL
     /// means the pod has no IP yet and counts as not scraped), updates the TTFT windows,
     /// forgets pods that are gone, decides and remembers the recommendation. `now` is seconds
-    /// on any monotonic clock the caller keeps for this state.
+    /// on any monotonic clock the caller keeps for this state; `activation` says a request
+    /// waits for a replica of a model at zero.
+    #[allow(clippy::too_many_arguments)]
     pub async fn evaluate(
         &mut self,
         http: &reqwest::Client,
@@ -133,6 +138,7 @@ impl ServiceState {
         endpoints: &[(String, Option<String>)],
         now: f64,
         timeout: Duration,
+        activation: bool,
     ) -> Evaluation {
         let samples = join_all(endpoints.iter().map(|(_, url)| async move {
             match url {
@@ -158,6 +164,9 @@ impl ServiceState {
         }
         self.windows
             .retain(|k, _| endpoints.iter().any(|(pod, _)| pod == k));
+        if self.active(endpoints, &samples) || activation || self.last_activity.is_none() {
+            self.last_activity = Some(now);
+        }
         let ttft = window::quantile(targets.ttft_quantile, &window::sum(&in_window));
         let since = now - targets.stabilization_seconds;
         self.history.retain(|(at, _)| *at >= since);
@@ -168,6 +177,8 @@ impl ServiceState {
             ttft,
             history: &self.history,
             now,
+            idle_seconds: self.last_activity.map(|at| now - at),
+            activation,
         });
         self.history.push((now, decision.recommendation));
         Evaluation {
@@ -178,13 +189,26 @@ impl ServiceState {
     }
 }
 
-/// Scrapes one engine's `/metrics`.
-pub async fn scrape(http: &reqwest::Client, url: &str, timeout: Duration) -> Option<EngineSample> {
-    let resp = http.get(url).timeout(timeout).send().await.ok()?;
-    if !resp.status().is_success() {
-        return None;
+impl ServiceState {
+    /// Whether this interval's samples show a request: one running or waiting, one finished
+    /// since the pod's last scrape, or no ready pod answering (idleness cannot be told).
+    fn active(
+        &mut self,
+        endpoints: &[(String, Option<String>)],
+        samples: &[Option<EngineSample>],
+    ) -> bool {
+        let mut active = samples.iter().all(Option::is_none);
+        for ((pod, _), sample) in endpoints.iter().zip(samples) {
+            let Some(s) = sample else { continue };
+            let before = self.finished.insert(pod.clone(), s.finished);
+            if s.running + s.waiting > 0.0 || before.is_some_and(|b| b != s.finished) {
+                active = true;
+            }
+        }
+        self.finished
+            .retain(|k, _| endpoints.iter().any(|(pod, _)| pod == k));
+        active
     }
-    window::parse(&resp.text().await.ok()?)
 }
 
 fn pod_ready(p: &Pod) -> bool {
@@ -193,6 +217,23 @@ fn pod_ready(p: &Pod) -> bool {
             .as_ref()
             .and_then(|s| s.conditions.as_ref())
             .is_some_and(|cs| cs.iter().any(|c| c.type_ == "Ready" && c.status == "True"))
+}
+
+/// Whether a request asked for a replica (`status.autoscaling.activationRequestedAt`, written
+/// by the router) after the replica count last changed.
+fn activation_requested(svc: &LLMService) -> bool {
+    let Some(auto) = svc.status.as_ref().and_then(|s| s.autoscaling.as_ref()) else {
+        return false;
+    };
+    let time = |t: &Option<String>| t.as_deref().and_then(|t| t.parse::<Timestamp>().ok());
+    match (
+        time(&auto.activation_requested_at),
+        time(&auto.last_scale_time),
+    ) {
+        (Some(asked), Some(scaled)) => asked > scaled,
+        (Some(_), None) => true,
+        (None, _) => false,
+    }
 }
 
 /// Runs the autoscaler until the future is dropped.
@@ -263,6 +304,9 @@ async fn step(
         .filter(pod_ready)
         .collect();
     let current = crate::reconcile::desired_replicas(svc);
+    // Only a model at zero is brought back; a request the router signalled while a replica
+    // was already coming is served by it.
+    let activation = current == 0 && activation_requested(svc);
     let endpoints: Vec<(String, Option<String>)> = pods
         .iter()
         .map(|p| {
@@ -283,6 +327,7 @@ async fn step(
             &endpoints,
             now,
             settings.scrape_timeout,
+            activation,
         )
         .await;
     let failed = scrapes.iter().filter(|s| s.is_none()).count() as u64;

@@ -23,19 +23,29 @@ pub struct Targets {
     pub window_seconds: f64,
     /// Scale-down stabilization in seconds.
     pub stabilization_seconds: f64,
+    /// With `minReplicas: 0`: seconds without requests before scaling to zero.
+    pub scale_to_zero_after: Option<f64>,
 }
+
+/// Seconds without requests before an LLMService with `minReplicas: 0` scales to zero, when
+/// `scaleToZeroAfterSeconds` is not set.
+pub const SCALE_TO_ZERO_AFTER_SECONDS: i64 = 600;
 
 impl Targets {
     /// Targets from `spec.autoscaling` (quantile 0.9, window 60 s, stabilization 300 s by default).
     pub fn from_spec(a: &AutoscalingSpec) -> Self {
         Self {
-            min: a.min_replicas.max(1),
+            min: a.min_replicas.max(0),
             max: a.max_replicas.max(a.min_replicas.max(1)),
             ttft_seconds: a.target_ttft_seconds,
             ttft_quantile: a.ttft_quantile.unwrap_or(0.9),
             queue_depth: a.target_queue_depth,
             window_seconds: a.window_seconds.unwrap_or(60) as f64,
             stabilization_seconds: a.scale_down_stabilization_seconds.unwrap_or(300) as f64,
+            scale_to_zero_after: (a.min_replicas <= 0).then(|| {
+                a.scale_to_zero_after_seconds
+                    .unwrap_or(SCALE_TO_ZERO_AFTER_SECONDS) as f64
+            }),
         }
     }
 }
@@ -69,6 +79,12 @@ pub struct Inputs<'a> {
     pub history: &'a [Recommendation],
     /// Now, on the history's clock.
     pub now: f64,
+    /// Seconds since a request was last seen (running, waiting or finished on a pod, or
+    /// asking for a replica); `None` when unknown.
+    pub idle_seconds: Option<f64>,
+    /// A request is waiting for a replica of a model at zero (the router asked, after the
+    /// last scale).
+    pub activation: bool,
 }
 
 /// The outcome of one interval.
@@ -101,6 +117,9 @@ fn fmt(v: f64) -> String {
 pub fn decide(inp: &Inputs) -> Decision {
     let t = inp.targets;
     let current = inp.current.max(0);
+    if let Some(d) = to_or_from_zero(inp) {
+        return d;
+    }
     let ready = inp.pods.len();
     let scraped: Vec<PodLoad> = inp.pods.iter().flatten().copied().collect();
     let missing = ready - scraped.len();
@@ -222,6 +241,39 @@ pub fn decide(inp: &Inputs) -> Decision {
     d
 }
 
+/// The decisions of scale to zero: one replica for a model at zero that a request is waiting
+/// for, and zero for one whose every replica has been idle for `scale_to_zero_after`.
+fn to_or_from_zero(inp: &Inputs) -> Option<Decision> {
+    let t = inp.targets;
+    let after = t.scale_to_zero_after?;
+    let current = inp.current.max(0);
+    let decision = |desired: i32, reason: String| Decision {
+        desired,
+        recommendation: desired,
+        reason,
+        limited: None,
+        queue_per_replica: None,
+    };
+    if current == 0 && inp.activation {
+        let desired = t.min.max(1).min(t.max);
+        return Some(decision(
+            desired,
+            "a request is waiting for a model at zero replicas".into(),
+        ));
+    }
+    match inp.idle_seconds {
+        Some(idle) if current > 0 && !inp.activation && idle >= after => Some(decision(
+            0,
+            format!(
+                "no requests for {} s (scaleToZeroAfterSeconds {})",
+                fmt(idle.floor()),
+                fmt(after)
+            ),
+        )),
+        _ => None,
+    }
+}
+
 fn clamp(d: &mut Decision, t: &Targets, wanted: i32) {
     let clamped = wanted.clamp(t.min, t.max);
     if clamped != wanted {
@@ -250,6 +302,7 @@ mod tests {
             queue_depth: Some(4.0),
             window_seconds: 60.0,
             stabilization_seconds: 300.0,
+            scale_to_zero_after: None,
         }
     }
 
@@ -284,6 +337,8 @@ mod tests {
             ttft,
             history,
             now: 1000.0,
+            idle_seconds: None,
+            activation: false,
         })
     }
 
@@ -483,11 +538,63 @@ mod tests {
             ttft: None,
             history: &[],
             now: 0.0,
+            idle_seconds: None,
+            activation: false,
         });
         assert_eq!(d.desired, 3);
         assert_eq!(
             d.limited.as_deref(),
             Some("wanted 1 replicas, limited to minReplicas 3")
+        );
+    }
+
+    #[test]
+    fn an_idle_model_scales_to_zero_and_a_waiting_request_brings_one_replica_back() {
+        let mut t = targets();
+        t.min = 0;
+        t.scale_to_zero_after = Some(600.0);
+        let at_with =
+            |t: &Targets, current: i32, pods: &[Option<PodLoad>], idle: Option<f64>, activation| {
+                decide(&Inputs {
+                    targets: t,
+                    current,
+                    pods,
+                    ttft: None,
+                    history: &[(900.0, 2)],
+                    now: 1000.0,
+                    idle_seconds: idle,
+                    activation,
+                })
+            };
+        let at = |current, pods: &[Option<PodLoad>], idle, activation| {
+            at_with(&t, current, pods, idle, activation)
+        };
+        let idle = [Some(PodLoad {
+            waiting: 0.0,
+            running: 0.0,
+        }); 2];
+        // Quiet for less than the delay: the usual rules (here: stabilization holds 2).
+        assert_eq!(at(2, &idle, Some(599.0), false).desired, 2);
+        let d = at(2, &idle, Some(600.5), false);
+        assert_eq!(d.desired, 0);
+        assert_eq!(
+            d.reason,
+            "no requests for 600 s (scaleToZeroAfterSeconds 600)"
+        );
+        // Unknown idleness never scales to zero.
+        assert_eq!(at(2, &idle, None, false).desired, 2);
+        // At zero, nothing to scrape: it stays there until a request asks.
+        assert_eq!(at(0, &[], Some(5000.0), false).desired, 0);
+        let d = at(0, &[], Some(0.0), true);
+        assert_eq!(
+            (d.desired, d.reason.as_str()),
+            (1, "a request is waiting for a model at zero replicas")
+        );
+        // Without minReplicas 0 there is no scale to zero, however quiet.
+        let always_on = targets();
+        assert_eq!(
+            at_with(&always_on, 1, &idle[..1], Some(5000.0), false).desired,
+            1
         );
     }
 
@@ -509,6 +616,8 @@ mod tests {
                 ttft: None,
                 history: &history,
                 now,
+                idle_seconds: None,
+                activation: false,
             });
             history.push((now, d.recommendation));
             current = d.desired;

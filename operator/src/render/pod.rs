@@ -2,7 +2,7 @@
 //! volume, probes, GPUs), the model download and the pod's security settings — for a pod
 //! that serves a whole replica, or for one rank of a pipeline-parallel group.
 
-use ferrite_crds::{engine_args, served_model_name, LLMService, ModelSource};
+use ferrite_crds::{engine_args, served_model_names, LLMService, ModelSource};
 use k8s_openapi::api::core::v1::{EnvVar, ResourceRequirements};
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use serde_json::{json, Value};
@@ -156,14 +156,16 @@ pub fn pod_template(svc: &LLMService, cfg: &RenderConfig, role: Role) -> Result<
         "--model".into(),
         model_path(svc)?,
         "--served-model-name".into(),
-        served_model_name(svc),
+    ];
+    args.extend(served_model_names(svc));
+    args.extend([
         "--host".into(),
         "0.0.0.0".into(),
         "--port".into(),
         ENGINE_PORT.to_string(),
         "--shutdown-timeout".into(),
         cfg.drain_timeout_seconds.to_string(),
-    ];
+    ]);
     args.extend(engine_args(&svc.spec));
     // The group flags: every rank names the group's size, its own rank, the leader's port
     // and the secret; LWS's webhook puts the variables a worker's flags name in every

@@ -28,7 +28,7 @@ fn manifest_error(path: &Path, message: String) -> Error {
 /// The `serve` flags an LLMService manifest stands for: its model (a `file://` source) and
 /// `spec.engine` through the mapping the operator uses.
 pub fn manifest_args(path: &Path) -> Result<Vec<String>> {
-    use ferrite_crds::{engine_args, served_model_name, LLMService, ModelSource};
+    use ferrite_crds::{engine_args, served_model_names, LLMService, ModelSource};
     let bad = |m: String| manifest_error(path, m);
     let text = std::fs::read_to_string(path).map_err(|e| bad(e.to_string()))?;
     let svc: LLMService =
@@ -55,8 +55,8 @@ pub fn manifest_args(path: &Path) -> Result<Vec<String>> {
         "--model".into(),
         file.display().to_string(),
         "--served-model-name".into(),
-        served_model_name(&svc),
     ];
+    args.extend(served_model_names(&svc));
     args.extend(engine_args(&svc.spec));
     Ok(args)
 }

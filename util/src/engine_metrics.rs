@@ -1,8 +1,10 @@
-//! Parsing an engine's `/metrics` (Prometheus text format, with the `openmetrics-parser` crate,
-//! whose name pattern accepts the `:` in vLLM's metric names) and the TTFT quantile over a
-//! time window from differences of histogram snapshots.
+//! What an engine's `/metrics` says, as the operator's autoscaler and the router read it:
+//! scraped and parsed (Prometheus text format, with the `openmetrics-parser` crate, whose name
+//! pattern accepts the `:` in vLLM's metric names), and the TTFT quantile over a time window
+//! from differences of histogram snapshots.
 
 use std::collections::{BTreeMap, VecDeque};
+use std::time::Duration;
 
 use openmetrics_parser::prometheus::parse_prometheus;
 use openmetrics_parser::PrometheusValue;
@@ -13,6 +15,10 @@ pub const TTFT: &str = "vllm:time_to_first_token_seconds";
 pub const WAITING: &str = "vllm:num_requests_waiting";
 /// Requests running.
 pub const RUNNING: &str = "vllm:num_requests_running";
+/// The share of KV-cache blocks in use.
+pub const KV_USAGE: &str = "vllm:kv_cache_usage_perc";
+/// Requests finished, by reason.
+pub const FINISHED: &str = "vllm:request_success_total";
 
 /// A cumulative histogram: (upper bound, cumulative count) in increasing bound order, the last
 /// bound +Inf.
@@ -25,6 +31,10 @@ pub struct EngineSample {
     pub waiting: f64,
     /// Running requests.
     pub running: f64,
+    /// The share of KV-cache blocks in use, 0 to 1.
+    pub kv_usage: f64,
+    /// Requests finished since the engine started, whatever their reason.
+    pub finished: f64,
     /// The TTFT histogram, summed over its label sets (one per served model).
     pub ttft: Buckets,
 }
@@ -46,6 +56,13 @@ pub fn parse(text: &str) -> Option<EngineSample> {
                     sample.running += v.as_f64();
                     seen = true;
                 }
+                (KV_USAGE, PrometheusValue::Gauge(v) | PrometheusValue::Unknown(v)) => {
+                    sample.kv_usage = sample.kv_usage.max(v.as_f64());
+                }
+                (FINISHED, PrometheusValue::Counter(c)) => {
+                    sample.finished += c.value.as_f64();
+                }
+                (FINISHED, PrometheusValue::Unknown(v)) => sample.finished += v.as_f64(),
                 (TTFT, PrometheusValue::Histogram(h)) => {
                     for b in &h.buckets {
                         // Key by the bound's bit pattern: bounds are positive, so order holds.
@@ -62,6 +79,16 @@ pub fn parse(text: &str) -> Option<EngineSample> {
     }
     sample.ttft = buckets.into_values().collect();
     seen.then_some(sample)
+}
+
+/// Scrapes and parses one engine's `/metrics`; `None` when it cannot be read or is no
+/// engine's.
+pub async fn scrape(http: &reqwest::Client, url: &str, timeout: Duration) -> Option<EngineSample> {
+    let resp = http.get(url).timeout(timeout).send().await.ok()?;
+    if !resp.status().is_success() {
+        return None;
+    }
+    parse(&resp.text().await.ok()?)
 }
 
 /// `now - then` bucket by bucket; `None` when a count went down (the engine restarted, so its
@@ -170,6 +197,8 @@ mod tests {
         let s = parse(ENGINE_METRICS).expect("engine metrics");
         assert_eq!(s.waiting, 0.0);
         assert_eq!(s.running, 0.0);
+        assert_eq!(s.kv_usage, 0.0);
+        assert_eq!(s.finished, 4.0, "four requests finished");
         let last = s.ttft.last().expect("buckets");
         assert!(last.0.is_infinite());
         assert_eq!(last.1, 4.0, "four requests were observed");

@@ -53,6 +53,19 @@ async fn api_server_refuses_invalid_manifests_naming_the_field() {
     api.create(&PostParams::default(), &valid)
         .await
         .expect("a valid manifest is accepted");
+    let scales_to_zero = manifest(
+        "scales-to-zero",
+        json!({
+            "model": {"source": "hf://HuggingFaceTB/SmolLM2-135M-Instruct",
+                      "aliases": ["smol", "smol-latest"]},
+            "replicas": 0,
+            "autoscaling": {"minReplicas": 0, "maxReplicas": 2, "targetQueueDepth": 4,
+                            "scaleToZeroAfterSeconds": 300},
+        }),
+    );
+    api.create(&PostParams::default(), &scales_to_zero)
+        .await
+        .expect("minReplicas 0 with a scale-to-zero delay and aliases is accepted");
     let staged = manifest(
         "staged",
         json!({
@@ -128,6 +141,22 @@ async fn api_server_refuses_invalid_manifests_naming_the_field() {
             "no-target",
             json!({"model": hf(), "autoscaling": {"minReplicas": 1, "maxReplicas": 2}}),
             "needs targetTTFTSeconds, targetQueueDepth or both",
+        ),
+        (
+            "zero-delay-without-zero",
+            json!({"model": hf(), "autoscaling": {"minReplicas": 1, "maxReplicas": 2,
+                   "targetQueueDepth": 4, "scaleToZeroAfterSeconds": 60}}),
+            "scaleToZeroAfterSeconds applies only with minReplicas: 0",
+        ),
+        (
+            "empty-alias",
+            json!({"model": {"source": "hf://a/b", "aliases": [""]}}),
+            "spec.model.aliases must be names of 1 to 256 characters",
+        ),
+        (
+            "alias-twice",
+            json!({"model": {"source": "hf://a/b", "aliases": ["x", "x"]}}),
+            "spec.model.aliases",
         ),
         (
             "bad-scheme",

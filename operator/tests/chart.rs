@@ -14,7 +14,7 @@ use ferrite_operator::render;
 use ferrite_testcluster::{apply, ensure_namespace, eventually, install_crds, TestCluster};
 use k8s_openapi::api::apps::v1::Deployment;
 use k8s_openapi::api::coordination::v1::Lease;
-use k8s_openapi::api::core::v1::{Secret, Service};
+use k8s_openapi::api::core::v1::{Pod, Secret, Service};
 use k8s_openapi::api::rbac::v1::ClusterRoleBinding;
 use kube::api::{Api, DeleteParams, DynamicObject, Patch, PatchParams, PostParams};
 use kube::Client;
@@ -66,10 +66,15 @@ fn render(namespace: &str, values: Option<&Path>, set_json: Option<Value>) -> Ve
 }
 
 fn container_args(objects: &[Value]) -> Vec<String> {
+    deployment_args(objects, "ferrite")
+}
+
+/// The container args of the rendered Deployment `name`.
+fn deployment_args(objects: &[Value], name: &str) -> Vec<String> {
     let dep = objects
         .iter()
-        .find(|o| o["kind"] == "Deployment")
-        .expect("the chart renders a Deployment");
+        .find(|o| o["kind"] == "Deployment" && o["metadata"]["name"] == name)
+        .unwrap_or_else(|| panic!("the chart renders Deployment {name}"));
     dep["spec"]["template"]["spec"]["containers"][0]["args"]
         .as_array()
         .expect("args")
@@ -282,6 +287,115 @@ async fn chart_installs_an_operator_that_serves_with_only_its_rbac() {
             .create(&PostParams::default(), &crb)
             .await,
     );
+
+    // The router, with the chart's args and as its own ServiceAccount: it lists the models
+    // (LLMServices and EndpointSlices watched), and asks for a replica of one at zero through
+    // its status — and can do nothing else.
+    let router_client = cluster
+        .client_as(
+            &format!("system:serviceaccount:{release_ns}:ferrite-router"),
+            &[
+                "system:serviceaccounts",
+                &format!("system:serviceaccounts:{release_ns}"),
+                "system:authenticated",
+            ],
+        )
+        .await
+        .expect("impersonating client");
+    let router_args = deployment_args(&objects, "ferrite-router");
+    let router_opts = ferrite_router::cli::Args::try_parse_from(
+        std::iter::once("ferrite-router".to_string()).chain(router_args),
+    )
+    .unwrap_or_else(|e| panic!("the chart's args are not the router's flags: {e}"))
+    .into_options();
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind");
+    let router_url = format!("http://{}", listener.local_addr().expect("addr"));
+    let (stop_router, rx) = tokio::sync::oneshot::channel::<()>();
+    let rc = router_client.clone();
+    let router = tokio::spawn(async move {
+        ferrite_router::run(rc, router_opts, listener, async move {
+            let _ = rx.await;
+        })
+        .await
+    });
+    let http = reqwest::Client::new();
+    // It serves once both watches have listed, so an answer at all shows it may list them.
+    eventually("the router to list the model", WAIT, || async {
+        let get = http
+            .get(format!("{router_url}/v1/models"))
+            .timeout(Duration::from_secs(5));
+        let models = match get.send().await {
+            Ok(r) => r.text().await.unwrap_or_default(),
+            Err(e) => return Err(e.to_string()),
+        };
+        Ok(models.contains("\"smollm2\"").then_some(()))
+    })
+    .await
+    .unwrap_or_else(|e| panic!("{e}"));
+    let idle: LLMService = serde_json::from_value(json!({
+        "apiVersion": "serving.ferrite.dev/v1alpha1", "kind": "LLMService",
+        "metadata": {"name": "idle"},
+        "spec": {"model": {"source": "hf://HuggingFaceTB/SmolLM2-135M-Instruct"}, "replicas": 0,
+                 "autoscaling": {"minReplicas": 0, "maxReplicas": 1, "targetQueueDepth": 4}},
+    }))
+    .expect("LLMService");
+    llms.create(&PostParams::default(), &idle)
+        .await
+        .expect("an LLMService at zero");
+    let held = tokio::spawn({
+        let (http, url) = (http.clone(), router_url.clone());
+        async move {
+            let _ = http
+                .post(format!("{url}/v1/chat/completions"))
+                .json(&json!({"model": "idle", "messages": [{"role": "user", "content": "hi"}]}))
+                .send()
+                .await;
+        }
+    });
+    eventually("the router to ask for a replica of idle", WAIT, || async {
+        let s = llms.get("idle").await.map_err(|e| e.to_string())?;
+        let asked = s
+            .status
+            .and_then(|st| st.autoscaling)
+            .and_then(|a| a.activation_requested_at);
+        Ok(asked.map(|_| ()))
+    })
+    .await
+    .unwrap_or_else(|e| panic!("{e}"));
+    held.abort();
+    let as_router = Api::<LLMService>::namespaced(router_client.clone(), &app_ns);
+    forbidden(
+        "the router changing an LLMService's spec",
+        as_router
+            .patch(
+                "idle",
+                &PatchParams::default(),
+                &Patch::Merge(json!({"spec": {"replicas": 1}})),
+            )
+            .await,
+    );
+    forbidden(
+        "the router listing pods",
+        Api::<Pod>::namespaced(router_client.clone(), &app_ns)
+            .list(&Default::default())
+            .await,
+    );
+    forbidden(
+        "the router reading Secrets",
+        Api::<Secret>::namespaced(router_client.clone(), &app_ns)
+            .list(&Default::default())
+            .await,
+    );
+    forbidden(
+        "the router reading Deployments",
+        Api::<Deployment>::namespaced(router_client, &app_ns)
+            .get("smollm2")
+            .await,
+    );
+    let _ = stop_router.send(());
+    let _ = tokio::time::timeout(Duration::from_secs(20), router).await;
     stop(tx, task).await;
 }
 

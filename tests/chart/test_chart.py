@@ -80,7 +80,7 @@ def test_defaults_install_a_hardened_cluster_wide_operator():
             assert set(rule["verbs"]) == {"get", "create", "delete"}
         if "llmservices" in rule["resources"]:
             assert set(rule["verbs"]) == {"get", "list", "watch"}
-    svc = kinds["Service"][0]
+    svc = next(s for s in kinds["Service"] if s["metadata"]["name"] == "ferrite-metrics")
     assert svc["spec"]["ports"][0]["port"] == 8080
 
 
@@ -95,7 +95,7 @@ def test_custom_values_render_a_namespaced_operator_with_monitors():
     assert binding["subjects"][0] == {
         "kind": "ServiceAccount", "name": "ferrite-controller", "namespace": "platform"
     }
-    dep = kinds["Deployment"][0]
+    dep = next(d for d in kinds["Deployment"] if d["metadata"]["name"] == "ml-ferrite")
     assert dep["spec"]["replicas"] == 2
     pod = dep["spec"]["template"]["spec"]
     (c,) = pod["containers"]
@@ -109,8 +109,7 @@ def test_custom_values_render_a_namespaced_operator_with_monitors():
     assert pod["nodeSelector"] == {"kubernetes.io/os": "linux"}
     assert pod["tolerations"][0]["key"] == "dedicated"
     assert pod["priorityClassName"] == "system-cluster-critical"
-    sa = kinds["ServiceAccount"][0]
-    assert sa["metadata"]["name"] == "ferrite-controller"
+    sa = next(a for a in kinds["ServiceAccount"] if a["metadata"]["name"] == "ferrite-controller")
     assert "iam.gke.io/gcp-service-account" in sa["metadata"]["annotations"]
     sm = kinds["ServiceMonitor"][0]
     assert sm["metadata"]["labels"]["release"] == "prometheus"
@@ -120,6 +119,49 @@ def test_custom_values_render_a_namespaced_operator_with_monitors():
     assert pm["spec"]["podMetricsEndpoints"][0] == {
         "port": "http", "path": "/metrics", "interval": "10s"
     }
+
+
+def test_the_router_is_installed_by_default_with_its_own_least_privilege():
+    kinds = by_kind(render(None, "ferrite", "ferrite-system"))
+    dep = next(d for d in kinds["Deployment"] if d["metadata"]["name"] == "ferrite-router")
+    pod = dep["spec"]["template"]["spec"]
+    assert pod["serviceAccountName"] == "ferrite-router"
+    assert pod["securityContext"]["runAsNonRoot"] is True
+    assert pod["terminationGracePeriodSeconds"] == 45
+    (c,) = pod["containers"]
+    assert c["image"] == "ghcr.io/ferrite-serving/ferrite-router:0.1.0"
+    assert c["securityContext"]["readOnlyRootFilesystem"] is True
+    assert "--listen=0.0.0.0:8000" in c["args"] and "--load-factor=1.25" in c["args"]
+    assert not any(a.startswith("--namespace") for a in c["args"])
+    assert c["readinessProbe"]["httpGet"]["path"] == "/readyz"
+    # The cluster's OpenAI endpoint: Service `ferrite`, port 8000, selecting the router only.
+    svc = next(s for s in kinds["Service"] if s["metadata"]["name"] == "ferrite")
+    assert svc["spec"]["ports"][0]["port"] == 8000
+    assert svc["spec"]["selector"]["app.kubernetes.io/name"] == "ferrite-router"
+    role = next(r for r in kinds["ClusterRole"] if r["metadata"]["name"] == "ferrite-router")
+    assert role["rules"] == [
+        {"apiGroups": ["serving.ferrite.dev"], "resources": ["llmservices"],
+         "verbs": ["get", "list", "watch"]},
+        {"apiGroups": ["serving.ferrite.dev"], "resources": ["llmservices/status"],
+         "verbs": ["patch"]},
+        {"apiGroups": ["discovery.k8s.io"], "resources": ["endpointslices"],
+         "verbs": ["list", "watch"]},
+    ]
+    binding = next(b for b in kinds["ClusterRoleBinding"]
+                   if b["metadata"]["name"] == "ferrite-router")
+    assert binding["subjects"] == [
+        {"kind": "ServiceAccount", "name": "ferrite-router", "namespace": "ferrite-system"}
+    ]
+    # Namespaced: a Role in the watched namespace, and the flag.
+    kinds = by_kind(render(custom_values(), "ml", "platform"))
+    role = next(r for r in kinds["Role"] if r["metadata"]["name"] == "ml-ferrite-router")
+    assert role["metadata"]["namespace"] == "team-a"
+    dep = next(d for d in kinds["Deployment"] if d["metadata"]["name"] == "ml-ferrite-router")
+    assert "--namespace=team-a" in dep["spec"]["template"]["spec"]["containers"][0]["args"]
+    # Off: nothing of the router is rendered.
+    off = render({"router": {"enabled": False}}, "ferrite", "x")
+    assert not any("router" in o["metadata"]["name"] for o in off)
+    assert [s["metadata"]["name"] for s in by_kind(off)["Service"]] == ["ferrite-metrics"]
 
 
 @pytest.mark.parametrize(
@@ -133,6 +175,9 @@ def test_custom_values_render_a_namespaced_operator_with_monitors():
         ({"metrics": {"podMonitor": {"enabled": 1}}}, "enabled"),
         ({"autoscaler": {"intervalSeconds": 0}}, "intervalSeconds"),
         ({"replicas": 3}, "replicas"),
+        ({"router": {"loadFactor": 0.5}}, "loadFactor"),
+        ({"router": {"holdTimeoutSeconds": 0}}, "holdTimeoutSeconds"),
+        ({"router": {"enable": True}}, "enable"),
     ],
 )
 def test_schema_rejects_wrong_values(values, field):
@@ -153,4 +198,5 @@ def test_notes_tell_how_to_reach_the_first_model():
     assert "kubectl apply" in notes and "examples/smollm2-cpu.yaml" in notes
     assert "kubectl get llms" in notes
     assert "/v1/chat/completions" in notes
+    assert "http://ferrite.ferrite-system.svc.cluster.local:8000/v1" in notes
     assert (ROOT / "examples" / "smollm2-cpu.yaml").exists()

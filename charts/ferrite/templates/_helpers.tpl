@@ -43,3 +43,24 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
 {{- define "ferrite.engineImage" -}}
 {{- default (printf "ghcr.io/ferrite-serving/ferrite-engine:%s" .Chart.AppVersion) .Values.engine.image -}}
 {{- end -}}
+
+{{/* Labels that select the router pods; never change them after install. */}}
+{{- define "ferrite.routerSelectorLabels" -}}
+app.kubernetes.io/name: ferrite-router
+app.kubernetes.io/instance: {{ .Release.Name }}
+{{- end -}}
+
+{{/* Labels on the router's objects. */}}
+{{- define "ferrite.routerLabels" -}}
+{{ include "ferrite.routerSelectorLabels" . }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/component: router
+app.kubernetes.io/part-of: ferrite
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
+{{- end -}}
+
+{{/* The router image reference. */}}
+{{- define "ferrite.routerImage" -}}
+{{- printf "%s:%s" .Values.router.image.repository (default .Chart.AppVersion .Values.router.image.tag) -}}
+{{- end -}}

@@ -21,10 +21,11 @@ pyenv:
 
 ## k8s: build the test control plane (kube-apiserver, controller-manager, scheduler, etcd,
 ## kwok, kubectl) and LeaderWorkerSet's controller from the Go module proxy into
-## ~/.cache/ferrite/k8s/ (once)
+## ~/.cache/ferrite/k8s/, with the Inference Extension's InferencePool CRD (once)
 k8s:
 	@scripts/build-k8s.sh >/dev/null
 	@scripts/build-lws.sh >/dev/null
+	@scripts/fetch-gie-crds.sh >/dev/null
 
 ## cluster: run that control plane in the foreground with the LLMService CRD installed
 cluster: k8s
@@ -49,7 +50,8 @@ crds:
 ## builds (cargo copies them there on every run, over any plain `cargo build` output).
 test: model pyenv k8s
 	FERRITE_PYTHON="$$(scripts/python-env.sh)" FERRITE_K8S_DIR="$$(scripts/build-k8s.sh --print-dir)" \
-	  FERRITE_LWS_DIR="$$(scripts/build-lws.sh --print-dir)" $(CARGO) test --workspace --all-targets
+	  FERRITE_LWS_DIR="$$(scripts/build-lws.sh --print-dir)" FERRITE_GIE_DIR="$$(scripts/fetch-gie-crds.sh --print-dir)" \
+	  $(CARGO) test --workspace --all-targets
 	$(CARGO) test --workspace --doc
 	# llama.cpp parity again on each lower instruction-set tier: every tier computes the same.
 	for tier in portable avx2; do \

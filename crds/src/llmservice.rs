@@ -86,6 +86,50 @@ pub struct LLMServiceSpec {
     /// How a changed model or engine setting rolls out.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub rollout: Option<RolloutSpec>,
+    /// An InferencePool (Gateway API Inference Extension, `inference.networking.k8s.io/v1`)
+    /// selecting this LLMService's engine pods on port 8000, for gateways that route through
+    /// an endpoint picker; rendered when that API is installed.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub inference_pool: Option<InferencePoolSpec>,
+}
+
+/// Whether and how the LLMService gets an InferencePool.
+#[derive(Deserialize, Serialize, Clone, Debug, Default, PartialEq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct InferencePoolSpec {
+    /// Render the InferencePool; default: the operator's `--inference-pools` setting.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub enabled: Option<bool>,
+    /// The endpoint picker the gateway asks which pod serves each request (the pool's
+    /// `endpointPickerRef`); most gateways need one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub endpoint_picker: Option<EndpointPickerSpec>,
+}
+
+/// The endpoint picker Service of an InferencePool, in the LLMService's namespace.
+#[derive(Deserialize, Serialize, Clone, Debug, Default, PartialEq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct EndpointPickerSpec {
+    /// The picker's Service.
+    #[schemars(length(min = 1, max = 253))]
+    pub name: String,
+    /// The picker's port (default 9002, the endpoint picker's gRPC port).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 1, max = 65535))]
+    pub port: Option<i32>,
+    /// What the gateway does when the picker does not answer: FailOpen (send to any pod) or
+    /// FailClose (refuse); default FailClose.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub failure_mode: Option<FailureMode>,
+}
+
+/// An endpoint picker's failure mode.
+#[derive(Deserialize, Serialize, Clone, Copy, Debug, PartialEq, Eq, JsonSchema)]
+pub enum FailureMode {
+    /// Send the request to any pod of the pool.
+    FailOpen,
+    /// Refuse the request.
+    FailClose,
 }
 
 /// The model and its source.

@@ -113,7 +113,7 @@ async fn conversations(
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn one_endpoint_routes_by_model_keeps_prefixes_together_and_retries_before_the_first_byte() {
-    let h = support::start(
+    let mut h = support::start(
         "10.231.3.0/24",
         &["--scrape-interval", "1", "--hold-timeout", "20"],
     )
@@ -303,4 +303,30 @@ print(sorted(m.id for m in c.models.list()))
         "{}",
         &rest[rest.len().saturating_sub(400)..]
     );
+
+    // Shutting down, the router finishes the streams it carries and takes no new requests.
+    let resp = http
+        .post(format!("{}/v1/chat/completions", h.router))
+        .json(
+            &json!({"model": "smol-a", "messages": [{"role": "user", "content": "Count to fifty."}],
+                      "max_tokens": 48, "ignore_eos": true, "stream": true}),
+        )
+        .send()
+        .await
+        .expect("a stream");
+    let mut body = resp.bytes_stream();
+    let _ = body.next().await.expect("a first chunk");
+    h.stop_router();
+    let mut text = String::new();
+    while let Some(Ok(c)) = body.next().await {
+        text.push_str(&String::from_utf8_lossy(&c));
+    }
+    assert!(text.trim_end().ends_with("data: [DONE]"), "{text}");
+    assert!(!text.contains("\"error\""), "{text}");
+    let after = http
+        .get(format!("{}/v1/models", h.router))
+        .timeout(Duration::from_secs(5))
+        .send()
+        .await;
+    assert!(after.is_err(), "a stopped router still answered: {after:?}");
 }

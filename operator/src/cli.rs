@@ -50,6 +50,10 @@ pub struct Args {
     /// This replica's identity (default: the pod name, else the host name).
     #[arg(long, env = "POD_NAME")]
     pub identity: Option<String>,
+    /// Give every LLMService an InferencePool (Gateway API Inference Extension) where that
+    /// API is installed, unless its `spec.inferencePool.enabled` says otherwise.
+    #[arg(long)]
+    pub inference_pools: bool,
 }
 
 impl Args {
@@ -70,6 +74,7 @@ impl Args {
                 scrape_timeout: Duration::from_secs(self.scrape_timeout),
                 metrics_port: self.engine_metrics_port,
             },
+            inference_pools: self.inference_pools,
         }
     }
 }

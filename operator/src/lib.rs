@@ -55,6 +55,9 @@ pub struct Options {
     pub lease_duration: Duration,
     /// Autoscaler timing and the engines' metrics port.
     pub autoscale: autoscale::Settings,
+    /// Give every LLMService an InferencePool (where that API is installed) unless its spec
+    /// says otherwise.
+    pub inference_pools: bool,
 }
 
 impl Default for Options {
@@ -70,6 +73,7 @@ impl Default for Options {
             identity: "ferrite-operator".into(),
             lease_duration: Duration::from_secs(15),
             autoscale: autoscale::Settings::default(),
+            inference_pools: false,
         }
     }
 }
@@ -131,6 +135,7 @@ pub async fn run(
         RenderConfig {
             engine_image: opts.engine_image.clone(),
             drain_timeout_seconds: opts.drain_timeout_seconds,
+            inference_pools: opts.inference_pools,
         },
         Recorder::new(
             client.clone(),

@@ -212,6 +212,8 @@ async fn reconcile_inner(svc: &LLMService, ctx: &Context) -> Result<Action, Erro
         publish(ctx, svc, EventType::Normal, "Created", note).await;
     }
 
+    sync_inference_pool(svc, ctx, &ns, &name).await?;
+
     let pdbs = Api::<PodDisruptionBudget>::namespaced(client.clone(), &ns);
     match render::pdb(svc, desired)? {
         Some(p) => {
@@ -423,6 +425,67 @@ pub async fn leaderworkerset_installed(client: &Client) -> Result<bool, Error> {
     match client.list_api_group_resources(&version).await {
         Ok(list) => Ok(list.resources.iter().any(|r| r.name == "leaderworkersets")),
         Err(kube::Error::Api(s)) if s.code == 404 => Ok(false),
+        Err(e) => Err(e.into()),
+    }
+}
+
+/// Whether the cluster serves the InferencePool API (`inference.networking.k8s.io/v1`).
+pub async fn inference_pools_installed(client: &Client) -> Result<bool, Error> {
+    let version = format!("{}/v1", render::INFERENCE_GROUP);
+    match client.list_api_group_resources(&version).await {
+        Ok(list) => Ok(list.resources.iter().any(|r| r.name == "inferencepools")),
+        Err(kube::Error::Api(s)) if s.code == 404 => Ok(false),
+        Err(e) => Err(e.into()),
+    }
+}
+
+/// Applies the LLMService's InferencePool when it wants one, deletes one it no longer wants;
+/// where the API is not installed, an LLMService that asked for one itself gets a Warning
+/// Event once per generation saying so.
+async fn sync_inference_pool(
+    svc: &LLMService,
+    ctx: &Context,
+    ns: &str,
+    name: &str,
+) -> Result<(), Error> {
+    let wanted = render::wants_inference_pool(svc, &ctx.render);
+    let installed = inference_pools_installed(&ctx.client).await?;
+    if !installed {
+        let asked = svc.spec.inference_pool.as_ref().and_then(|p| p.enabled) == Some(true);
+        let observed = svc.status.as_ref().and_then(|s| s.observed_generation);
+        if asked && observed != svc.metadata.generation {
+            let note = format!(
+                "spec.inferencePool.enabled is true, but this cluster serves no {}/v1 \
+                 InferencePool API: install the Gateway API Inference Extension's CRDs for the \
+                 pool to be made",
+                render::INFERENCE_GROUP
+            );
+            publish(
+                ctx,
+                svc,
+                EventType::Warning,
+                "InferencePoolUnavailable",
+                note,
+            )
+            .await;
+        }
+        return Ok(());
+    }
+    let pools = Api::<DynamicObject>::namespaced_with(
+        ctx.client.clone(),
+        ns,
+        &render::inference_pool_resource(),
+    );
+    if wanted {
+        let apply = PatchParams::apply(FIELD_MANAGER).force();
+        pools
+            .patch(name, &apply, &Patch::Apply(&render::inference_pool(svc)?))
+            .await?;
+        return Ok(());
+    }
+    match pools.delete(name, &DeleteParams::default()).await {
+        Ok(_) => Ok(()),
+        Err(kube::Error::Api(s)) if s.code == 404 => Ok(()),
         Err(e) => Err(e.into()),
     }
 }

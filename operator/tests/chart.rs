@@ -65,6 +65,22 @@ fn render(namespace: &str, values: Option<&Path>, set_json: Option<Value>) -> Ve
         .collect()
 }
 
+/// The InferencePool CRD `make k8s` fetched (`FERRITE_GIE_DIR`, else the script fetches it).
+fn inference_pool_crd() -> PathBuf {
+    let dir = match std::env::var_os("FERRITE_GIE_DIR") {
+        Some(d) => PathBuf::from(d),
+        None => {
+            let out = Command::new(root().join("scripts/fetch-gie-crds.sh"))
+                .arg("--print-dir")
+                .output()
+                .expect("scripts/fetch-gie-crds.sh runs");
+            assert!(out.status.success(), "fetch-gie-crds.sh failed");
+            PathBuf::from(String::from_utf8_lossy(&out.stdout).trim())
+        }
+    };
+    dir.join("inferencepools.yaml")
+}
+
 fn container_args(objects: &[Value]) -> Vec<String> {
     deployment_args(objects, "ferrite")
 }
@@ -224,6 +240,27 @@ async fn chart_installs_an_operator_that_serves_with_only_its_rbac() {
         Some("ghcr.io/ferrite-serving/ferrite-engine:0.1.0")
     );
 
+    // With the Inference Extension installed, an LLMService that asks gets its InferencePool,
+    // through exactly the chart's verbs on pools.
+    install_crds(&admin, &inference_pool_crd())
+        .await
+        .expect("the InferencePool CRD");
+    let pool_on = json!({"spec": {"inferencePool": {"enabled": true,
+                                                     "endpointPicker": {"name": "epp"}}}});
+    llms.patch("smollm2", &PatchParams::default(), &Patch::Merge(&pool_on))
+        .await
+        .expect("ask for a pool");
+    let pools = Api::<DynamicObject>::namespaced_with(
+        admin.clone(),
+        &app_ns,
+        &render::inference_pool_resource(),
+    );
+    eventually("the operator to make the InferencePool", WAIT, || async {
+        pools.get_opt("smollm2").await.map_err(|e| e.to_string())
+    })
+    .await
+    .unwrap_or_else(|e| panic!("{e}"));
+
     // A model split into stages becomes LeaderWorkerSet groups with their Secret, through
     // exactly the chart's verbs on them.
     let mut staged = example("pipeline-parallel-cpu.yaml");
@@ -344,14 +381,21 @@ async fn chart_installs_an_operator_that_serves_with_only_its_rbac() {
     llms.create(&PostParams::default(), &idle)
         .await
         .expect("an LLMService at zero");
+    // Asked until the router has seen the new LLMService (a 404 before) and holds the request.
     let held = tokio::spawn({
         let (http, url) = (http.clone(), router_url.clone());
         async move {
-            let _ = http
-                .post(format!("{url}/v1/chat/completions"))
-                .json(&json!({"model": "idle", "messages": [{"role": "user", "content": "hi"}]}))
-                .send()
-                .await;
+            loop {
+                let _ = http
+                    .post(format!("{url}/v1/chat/completions"))
+                    .json(
+                        &json!({"model": "idle", "messages": [{"role": "user", "content": "hi"}]}),
+                    )
+                    .timeout(Duration::from_secs(10))
+                    .send()
+                    .await;
+                tokio::time::sleep(Duration::from_millis(200)).await;
+            }
         }
     });
     eventually("the router to ask for a replica of idle", WAIT, || async {

@@ -33,6 +33,7 @@ fn cfg() -> RenderConfig {
     RenderConfig {
         engine_image: "ferrite-engine:test".into(),
         drain_timeout_seconds: 30,
+        inference_pools: false,
     }
 }
 
@@ -430,4 +431,52 @@ fn every_example_renders() {
             "{file}"
         );
     }
+}
+
+#[test]
+fn an_inference_pool_selects_the_pods_the_service_selects_and_names_the_picker() {
+    let svc = llms(
+        "chat",
+        json!({"model": {"source": "hf://a/b", "aliases": ["chat-latest"]},
+               "inferencePool": {"endpointPicker": {"name": "chat-epp", "failureMode": "FailOpen"}}}),
+    );
+    let pool = serde_json::to_value(render::inference_pool(&svc).expect("pool")).expect("json");
+    assert_eq!(pool["apiVersion"], "inference.networking.k8s.io/v1");
+    assert_eq!(pool["kind"], "InferencePool");
+    let service = serde_json::to_value(render::service(&svc).expect("service")).expect("json");
+    assert_eq!(
+        pool["spec"]["selector"]["matchLabels"],
+        service["spec"]["selector"]
+    );
+    assert_eq!(pool["spec"]["targetPorts"], json!([{"number": 8000}]));
+    assert_eq!(
+        pool["spec"]["endpointPickerRef"],
+        json!({"kind": "Service", "name": "chat-epp", "port": {"number": 9002}, "failureMode": "FailOpen"})
+    );
+    assert_eq!(pool["metadata"]["ownerReferences"][0]["kind"], "LLMService");
+    // Per LLMService, else the operator's default.
+    let mut on = cfg();
+    assert!(!render::wants_inference_pool(
+        &llms("x", json!({"model": {"source": "hf://a/b"}})),
+        &on
+    ));
+    on.inference_pools = true;
+    assert!(render::wants_inference_pool(
+        &llms("x", json!({"model": {"source": "hf://a/b"}})),
+        &on
+    ));
+    let off = llms(
+        "x",
+        json!({"model": {"source": "hf://a/b"}, "inferencePool": {"enabled": false}}),
+    );
+    assert!(!render::wants_inference_pool(&off, &on));
+    // The engine answers to every name the router routes here.
+    let d = serde_json::to_value(render::deployment(&svc, &cfg(), 1).expect("deployment"))
+        .expect("json");
+    let args = strings(&engine_container(&d)["args"]);
+    let at = args
+        .iter()
+        .position(|a| *a == "--served-model-name")
+        .expect("names");
+    assert_eq!(&args[at + 1..at + 3], ["chat", "chat-latest"]);
 }

@@ -65,6 +65,7 @@ def test_defaults_install_a_hardened_cluster_wide_operator():
     assert "--no-leader-election" not in c["args"]
     assert "--lease-name=ferrite" in c["args"]
     assert "--engine-image=ghcr.io/ferrite-serving/ferrite-engine:0.1.0" in c["args"]
+    assert "--inference-pools" not in c["args"]
     assert not any(a.startswith("--namespace") for a in c["args"])
     # The binding gives the ClusterRole to the chart's ServiceAccount.
     binding = kinds["ClusterRoleBinding"][0]
@@ -105,6 +106,7 @@ def test_custom_values_render_a_namespaced_operator_with_monitors():
     assert "--engine-image=registry.example.com/ferrite/engine:0.1.0-custom" in c["args"]
     assert "--drain-timeout-seconds=120" in c["args"]
     assert "--autoscale-interval=10" in c["args"]
+    assert "--inference-pools" in c["args"]
     assert {"name": "RUST_LOG", "value": "ferrite_operator=debug"} in c["env"]
     assert pod["nodeSelector"] == {"kubernetes.io/os": "linux"}
     assert pod["tolerations"][0]["key"] == "dedicated"

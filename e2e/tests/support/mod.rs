@@ -314,6 +314,11 @@ impl Harness {
         .unwrap_or_else(|e| panic!("{e}\n{}", self.cluster.log_tail("kwok", 2000)))
     }
 
+    /// Sends the router its shutdown signal (what SIGTERM does to the binary).
+    pub fn stop_router(&mut self) {
+        let _ = self.stop_router.take().map(|s| s.send(()));
+    }
+
     /// Stops the engine at `url` while its pod stays Ready: the replica refuses connections.
     pub fn kill_engine(&self, url: &str) {
         let mut map = self.engines.lock().expect("engines");

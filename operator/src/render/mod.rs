@@ -4,6 +4,7 @@
 //! No cluster access: the reconciler applies what these return with server-side apply.
 
 mod deployment;
+mod inferencepool;
 mod leaderworkerset;
 mod pdb;
 mod pod;
@@ -16,6 +17,10 @@ use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, OwnerReference}
 use kube::Resource;
 
 pub use deployment::{deployment, rollout_bounds};
+pub use inferencepool::{
+    inference_pool, inference_pool_resource, wants_inference_pool, ENDPOINT_PICKER_PORT,
+    INFERENCE_GROUP,
+};
 pub use leaderworkerset::{
     group_secret, leaderworkerset, lws_name, lws_resource, uses_groups, LWS_GROUP,
     LWS_WORKER_INDEX_LABEL,
@@ -59,6 +64,8 @@ pub struct RenderConfig {
     pub engine_image: String,
     /// Seconds the engine drains in-flight requests after SIGTERM (`--shutdown-timeout`).
     pub drain_timeout_seconds: i64,
+    /// Give every LLMService an InferencePool unless its spec says otherwise.
+    pub inference_pools: bool,
 }
 
 impl Default for RenderConfig {
@@ -69,6 +76,7 @@ impl Default for RenderConfig {
                 env!("CARGO_PKG_VERSION")
             ),
             drain_timeout_seconds: 30,
+            inference_pools: false,
         }
     }
 }

@@ -73,9 +73,10 @@ lint: fmt-check
 
 ## bench: in-process figures (prompt processing, decode vs the memory-bandwidth bound, batching,
 ## KV waste), then Ferrite over HTTP with ferrite-bench at concurrency 1/4/16/64, Poisson
-## rates, mixed lengths and --max-num-seqs 1; tables and plots in bench/results/
-bench: model
-	$(CARGO) build --release -p ferrite-engine -p ferrite-bench
+## rates, mixed lengths, a JSON schema, --max-num-seqs 1, and through ferrite-router; tables and
+## plots in bench/results/
+bench: model k8s
+	$(CARGO) build --release -p ferrite-engine -p ferrite-bench -p ferrite-router -p ferrite-testcluster
 	./target/release/ferrite-engine bench --model $(MODEL)
 	scripts/bench.sh
 

@@ -180,6 +180,32 @@ async fn one_endpoint_routes_by_model_keeps_prefixes_together_and_retries_before
     );
     assert_eq!(reply["error"]["param"], "model");
 
+    // A client that goes away mid-stream cancels its request in the engine.
+    let aborted_before = metric(&http, &beta[0], "vllm:request_success_total", "abort").await;
+    let resp = http
+        .post(format!("{}/v1/chat/completions", h.router))
+        .json(
+            &json!({"model": "smol-b", "messages": [{"role": "user", "content": "Tell a story."}],
+                      "max_tokens": 900, "ignore_eos": true, "stream": true}),
+        )
+        .send()
+        .await
+        .expect("a stream");
+    let mut body = resp.bytes_stream();
+    let _ = body.next().await.expect("a first chunk");
+    drop(body);
+    ferrite_testcluster::eventually(
+        "the engine to cancel the abandoned request",
+        WAIT,
+        || async {
+            let aborted = metric(&http, &beta[0], "vllm:request_success_total", "abort").await;
+            let running = metric(&http, &beta[0], "vllm:num_requests_running", "").await;
+            Ok((aborted == aborted_before + 1.0 && running == 0.0).then_some(()))
+        },
+    )
+    .await
+    .expect("cancelled");
+
     // The openai SDK through the router, plain and streamed.
     let script = r#"
 import sys, openai

@@ -395,3 +395,21 @@ def test_a_body_over_the_size_limit_is_refused_in_openai_error_json(server):
     error = r.json()["error"]
     assert error["type"] == "invalid_request_error" and error["code"] == 413
     assert "larger than" in error["message"]
+
+
+def test_a_client_that_leaves_mid_stream_is_counted_as_an_abort(server):
+    key = f'vllm:request_success_total{{finished_reason="abort",model_name="{NAME}"}}'
+    before = server.metrics()[key]
+    with httpx.stream("POST", server.url + "/v1/completions", timeout=60, json={
+            "model": NAME, "prompt": "Once upon a time", "max_tokens": 1500, "ignore_eos": True,
+            "stream": True}) as r:
+        next(r.iter_lines())
+    running = f'vllm:num_requests_running{{model_name="{NAME}"}}'
+    deadline = time.time() + 60
+    while time.time() < deadline:
+        m = server.metrics()
+        if m[key] == before + 1 and m[running] == 0:
+            break
+        time.sleep(0.1)
+    m = server.metrics()
+    assert (m[key], m[running]) == (before + 1, 0)

@@ -132,11 +132,26 @@ pub(super) fn submit(
     ready.engine.submit_all(requests).map_err(ApiError::from)
 }
 
-/// Per-request latency bookkeeping for the metrics.
+/// Per-request latency bookkeeping for the metrics. A request dropped before it finished —
+/// its client went away, so the engine cancels it — counts as finished with reason `abort`,
+/// as vLLM counts it.
 pub(super) struct Tracker {
     arrived: Instant,
     last: Option<Instant>,
+    finished: bool,
     state: Arc<AppState>,
+}
+
+impl Drop for Tracker {
+    fn drop(&mut self) {
+        if !self.finished {
+            self.state
+                .metrics
+                .success
+                .with_label_values(&["abort"])
+                .inc();
+        }
+    }
 }
 
 impl Tracker {
@@ -144,6 +159,7 @@ impl Tracker {
         Tracker {
             arrived,
             last: None,
+            finished: false,
             state,
         }
     }
@@ -167,7 +183,8 @@ impl Tracker {
         self.last = Some(now);
     }
 
-    fn finish(&self, f: &Finish) {
+    fn finish(&mut self, f: &Finish) {
+        self.finished = true;
         let m = &self.state.metrics;
         m.e2e.observe(self.arrived.elapsed().as_secs_f64());
         m.queue_time.observe(f.queue_seconds);

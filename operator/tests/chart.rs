@@ -11,7 +11,9 @@ use clap::Parser;
 use ferrite_crds::LLMService;
 use ferrite_operator::cli::Args;
 use ferrite_operator::render;
-use ferrite_testcluster::{apply, ensure_namespace, eventually, install_crds, TestCluster};
+use ferrite_testcluster::{
+    apply, ensure_namespace, eventually, inference_pool_crd, install_crds, TestCluster,
+};
 use k8s_openapi::api::apps::v1::Deployment;
 use k8s_openapi::api::coordination::v1::Lease;
 use k8s_openapi::api::core::v1::{Pod, Secret, Service};
@@ -63,22 +65,6 @@ fn render(namespace: &str, values: Option<&Path>, set_json: Option<Value>) -> Ve
         .map(|d| serde::Deserialize::deserialize(d).expect("rendered YAML"))
         .filter(|v: &Value| !v.is_null())
         .collect()
-}
-
-/// The InferencePool CRD `make k8s` fetched (`FERRITE_GIE_DIR`, else the script fetches it).
-fn inference_pool_crd() -> PathBuf {
-    let dir = match std::env::var_os("FERRITE_GIE_DIR") {
-        Some(d) => PathBuf::from(d),
-        None => {
-            let out = Command::new(root().join("scripts/fetch-gie-crds.sh"))
-                .arg("--print-dir")
-                .output()
-                .expect("scripts/fetch-gie-crds.sh runs");
-            assert!(out.status.success(), "fetch-gie-crds.sh failed");
-            PathBuf::from(String::from_utf8_lossy(&out.stdout).trim())
-        }
-    };
-    dir.join("inferencepools.yaml")
 }
 
 fn container_args(objects: &[Value]) -> Vec<String> {
@@ -242,9 +228,12 @@ async fn chart_installs_an_operator_that_serves_with_only_its_rbac() {
 
     // With the Inference Extension installed, an LLMService that asks gets its InferencePool,
     // through exactly the chart's verbs on pools.
-    install_crds(&admin, &inference_pool_crd())
-        .await
-        .expect("the InferencePool CRD");
+    install_crds(
+        &admin,
+        &inference_pool_crd().expect("the InferencePool CRD"),
+    )
+    .await
+    .expect("the InferencePool CRD");
     let pool_on = json!({"spec": {"inferencePool": {"enabled": true,
                                                      "endpointPicker": {"name": "epp"}}}});
     llms.patch("smollm2", &PatchParams::default(), &Patch::Merge(&pool_on))

@@ -4,12 +4,11 @@
 //! named endpoint picker, is owned by the LLMService, and goes when it is turned off.
 
 use std::path::PathBuf;
-use std::process::Command;
 use std::time::Duration;
 
 use ferrite_crds::LLMService;
 use ferrite_operator::{render, Options};
-use ferrite_testcluster::{eventually, install_crds, TestCluster};
+use ferrite_testcluster::{eventually, inference_pool_crd, install_crds, TestCluster};
 use k8s_openapi::api::core::v1::{Event, Service};
 use kube::api::{Api, DynamicObject, ListParams, Patch, PatchParams, PostParams};
 use serde_json::json;
@@ -18,26 +17,6 @@ const WAIT: Duration = Duration::from_secs(90);
 
 fn root() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..")
-}
-
-/// The InferencePool CRD `make k8s` fetched (`FERRITE_GIE_DIR`, else the script fetches it).
-fn inference_pool_crd() -> PathBuf {
-    let dir = match std::env::var_os("FERRITE_GIE_DIR") {
-        Some(d) => PathBuf::from(d),
-        None => {
-            let out = Command::new(root().join("scripts/fetch-gie-crds.sh"))
-                .arg("--print-dir")
-                .output()
-                .expect("scripts/fetch-gie-crds.sh runs");
-            assert!(
-                out.status.success(),
-                "fetch-gie-crds.sh failed: {}",
-                String::from_utf8_lossy(&out.stderr)
-            );
-            PathBuf::from(String::from_utf8_lossy(&out.stdout).trim())
-        }
-    };
-    dir.join("inferencepools.yaml")
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -95,9 +74,12 @@ async fn an_llmservice_gets_an_inference_pool_where_the_api_is_installed() {
     assert!(note.contains("inference.networking.k8s.io/v1"), "{note}");
 
     // With the extension's CRD, the next reconcile (here: a change to the object) makes it.
-    install_crds(&client, &inference_pool_crd())
-        .await
-        .expect("the InferencePool CRD");
+    install_crds(
+        &client,
+        &inference_pool_crd().expect("the InferencePool CRD"),
+    )
+    .await
+    .expect("the InferencePool CRD");
     let touch = json!({"metadata": {"annotations": {"example.com/touched": "1"}}});
     llms.patch("pooled", &PatchParams::default(), &Patch::Merge(&touch))
         .await

@@ -156,6 +156,12 @@ pub fn binaries_dir() -> Result<PathBuf, Error> {
     cached_dir("FERRITE_K8S_DIR", "build-k8s.sh")
 }
 
+/// The Gateway API Inference Extension's InferencePool CRD: in `$FERRITE_GIE_DIR` when set,
+/// otherwise in the folder `scripts/fetch-gie-crds.sh` prints — fetching it first when missing.
+pub fn inference_pool_crd() -> Result<PathBuf, Error> {
+    Ok(cached_dir("FERRITE_GIE_DIR", "fetch-gie-crds.sh")?.join("inferencepools.yaml"))
+}
+
 /// `$<var>` when set, otherwise the folder `scripts/<script> --print-dir` prints (the script
 /// builds what the folder should hold first when the cache lacks it).
 pub(crate) fn cached_dir(var: &str, script: &str) -> Result<PathBuf, Error> {

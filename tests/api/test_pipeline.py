@@ -331,3 +331,32 @@ def test_tensor_sizes_that_split_no_kv_heads_or_span_hosts_are_refused_naming_wh
                           "--nnodes", "2"], capture_output=True, text=True, timeout=60)
     assert out.returncode != 0
     assert "tensor-parallel ranks all run on one host" in out.stderr, out.stderr
+
+
+def test_a_stage_that_stops_fails_health_while_work_waits_and_recovers_when_it_resumes():
+    # A stage frozen (SIGSTOP) keeps its connection open, so the leader's step waits on it:
+    # the engine lives but makes no progress, which only the stall check can see.
+    group = Server("--pipeline-parallel-size", "2", "--stall-timeout", "3")
+    [child] = children(group.proc.pid)
+    try:
+        assert status(group.url) == 200
+        os.kill(child, signal.SIGSTOP)
+        time.sleep(4)
+        assert status(group.url) == 200, "an idle group is not stalled"
+        results = []
+        request = threading.Thread(
+            target=lambda: results.append(complete(group.url, "Tell me a story.", 16)))
+        request.start()
+        wait_for(lambda: status(group.url) == 500, "/health to fail while the stage is stopped", 60)
+        try:
+            urllib.request.urlopen(group.url + "/health", timeout=2)
+        except urllib.error.HTTPError as e:
+            message = e.read().decode()
+        assert "no progress" in message and "1 requests pending" in message, message
+        os.kill(child, signal.SIGCONT)
+        request.join(timeout=120)
+        assert results and len(results[0]["logprobs"]["tokens"]) == 16
+        wait_for(lambda: status(group.url) == 200, "/health to recover once the stage resumed", 60)
+    finally:
+        os.kill(child, signal.SIGCONT)
+        group.stop(signal.SIGKILL)

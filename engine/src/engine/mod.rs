@@ -200,6 +200,27 @@ struct Shared {
     stages: Option<Arc<Mutex<Vec<StageStats>>>>,
     /// Set by [`EngineHandle::stop`]: the engine thread ends once it has nothing to run.
     stop: AtomicBool,
+    /// When the engine thread last made progress (finished a step, or found nothing to do),
+    /// in milliseconds since `started`.
+    progress_ms: AtomicU64,
+    started: std::time::Instant,
+}
+
+impl Shared {
+    /// Records that the engine thread made progress now.
+    fn progressed(&self) {
+        let ms = self.started.elapsed().as_millis() as u64;
+        self.progress_ms.store(ms, Ordering::Release);
+    }
+}
+
+/// An engine thread that has made no progress while requests waited for it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Stall {
+    /// How long since it last made progress.
+    pub for_: std::time::Duration,
+    /// Requests accepted and not finished: running, waiting, and submitted but not admitted.
+    pub pending: usize,
 }
 
 /// Clears [`Shared::running`] when the engine thread ends, however it ends: dropped on return
@@ -333,6 +354,8 @@ impl EngineHandle {
             running: AtomicBool::new(true),
             stages,
             stop: AtomicBool::new(false),
+            progress_ms: AtomicU64::new(0),
+            started: std::time::Instant::now(),
         });
         let (tx, rx) = mpsc::channel();
         let flag = RunningFlag(Arc::clone(&shared));
@@ -477,6 +500,31 @@ impl EngineHandle {
     /// (then nothing more can be served and the process should be restarted).
     pub fn is_running(&self) -> bool {
         self.shared.running.load(Ordering::Acquire)
+    }
+
+    /// The stall, when the engine thread has made no progress for at least `after` while
+    /// requests are pending (a step that never returns: a stage or device that hangs). An
+    /// idle engine is never stalled.
+    pub fn stalled(&self, after: std::time::Duration) -> Option<Stall> {
+        let now = self.shared.started.elapsed().as_millis() as u64;
+        let last = self.shared.progress_ms.load(Ordering::Acquire);
+        let for_ = std::time::Duration::from_millis(now.saturating_sub(last));
+        if for_ < after {
+            return None;
+        }
+        let (running, waiting) = self
+            .shared
+            .stats
+            .lock()
+            .map(|s| (s.running, s.waiting))
+            .unwrap_or((0, 0));
+        let submitted = self
+            .shared
+            .info
+            .max_waiting_requests
+            .saturating_sub(self.shared.admission.available_permits());
+        let pending = running + waiting.max(submitted);
+        (pending > 0).then_some(Stall { for_, pending })
     }
 
     /// For tests without a model: a handle whose engine thread runs `body` instead of the

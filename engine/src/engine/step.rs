@@ -173,20 +173,28 @@ impl EngineLoop {
     pub(super) fn run(mut self, rx: mpsc::Receiver<Request>) {
         let mut open = true;
         loop {
+            let mut admitted = false;
             if self.sched.is_idle() {
                 if !open || self.shared.stop.load(Ordering::Acquire) {
                     return;
                 }
                 // Idle: wait for a request, looking up now and then for a stop.
+                self.shared.progressed();
                 match rx.recv_timeout(std::time::Duration::from_millis(50)) {
-                    Ok(req) => self.admit(req),
+                    Ok(req) => {
+                        self.admit(req);
+                        admitted = true;
+                    }
                     Err(mpsc::RecvTimeoutError::Timeout) => continue,
                     Err(mpsc::RecvTimeoutError::Disconnected) => return,
                 }
             }
             loop {
                 match rx.try_recv() {
-                    Ok(req) => self.admit(req),
+                    Ok(req) => {
+                        self.admit(req);
+                        admitted = true;
+                    }
                     Err(mpsc::TryRecvError::Empty) => break,
                     Err(mpsc::TryRecvError::Disconnected) => {
                         open = false;
@@ -194,9 +202,15 @@ impl EngineLoop {
                     }
                 }
             }
+            if admitted {
+                // The gauges show new work before a step that may never return (the stall
+                // check reads them).
+                self.publish();
+            }
             drop(self.sched.remove_where(|s| s.sink.events.is_closed()));
             match self.step() {
                 Ok(true) => {
+                    self.shared.progressed();
                     if let Some(observer) = self.observer.as_mut() {
                         observer.after_step(&StepView { sched: &self.sched });
                     }

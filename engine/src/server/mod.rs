@@ -48,6 +48,9 @@ pub struct ServerConfig {
     pub shutdown_timeout: Duration,
     /// Most responses kept for `previous_response_id` (0: none).
     pub max_stored_responses: usize,
+    /// `/health` fails once the engine has made no progress for this long while requests
+    /// are pending; `None` never.
+    pub stall_timeout: Option<Duration>,
 }
 
 /// What exists once the model has loaded.
@@ -250,7 +253,26 @@ async fn health(State(state): State<Arc<AppState>>) -> Response {
             crate::Error::EngineStopped.to_string(),
         )
             .into_response(),
-        Some(_) => (StatusCode::OK, "ok").into_response(),
+        // A loop that stopped making progress with work pending serves nothing either, though
+        // its thread lives: fail the liveness probe too.
+        Some(r) => match state
+            .config
+            .stall_timeout
+            .and_then(|after| r.engine.stalled(after))
+        {
+            Some(stall) => (
+                StatusCode::INTERNAL_SERVER_ERROR,
+                format!(
+                    "the engine has made no progress for {} s with {} requests pending \
+                     (--stall-timeout {} s); the server must be restarted",
+                    stall.for_.as_secs(),
+                    stall.pending,
+                    state.config.stall_timeout.map_or(0, |t| t.as_secs())
+                ),
+            )
+                .into_response(),
+            None => (StatusCode::OK, "ok").into_response(),
+        },
         None => (StatusCode::SERVICE_UNAVAILABLE, "loading").into_response(),
     }
 }
@@ -374,6 +396,7 @@ mod tests {
             served_model_names: vec!["m".into()],
             shutdown_timeout: Duration::from_secs(1),
             max_stored_responses: 4,
+            stall_timeout: Some(Duration::from_secs(120)),
         })
         .expect("metrics register")
     }
@@ -423,6 +446,46 @@ mod tests {
         });
         std::fs::write(dir.path().join("tokenizer.json"), spec.to_string()).expect("write");
         Tokenizer::from_hf_dir(dir.path()).expect("tokenizer")
+    }
+
+    #[tokio::test]
+    async fn an_engine_that_stops_making_progress_with_work_pending_fails_health() {
+        // An engine thread that takes one request and never steps.
+        let (engine, thread) = EngineHandle::with_thread(|rx| {
+            let held = rx.recv();
+            while rx.recv().is_ok() {}
+            drop(held);
+        });
+        let state = AppState::new(ServerConfig {
+            served_model_names: vec!["m".into()],
+            shutdown_timeout: Duration::from_secs(1),
+            max_stored_responses: 0,
+            stall_timeout: Some(Duration::from_millis(200)),
+        })
+        .expect("metrics register");
+        state.set_ready(engine.clone(), tiny_tokenizer());
+        let health = || {
+            Request::get("/health")
+                .body(Body::empty())
+                .expect("request")
+        };
+        // Idle, however long, is not stalled.
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        assert_eq!(call(Arc::clone(&state), health()).await.0, StatusCode::OK);
+        let params = crate::sampling::SamplingParams {
+            max_tokens: 4,
+            ..crate::sampling::SamplingParams::DEFAULT
+        };
+        let _stream = engine.submit(vec![1], params).expect("accepted");
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        let (status, body) = call(Arc::clone(&state), health()).await;
+        assert_eq!(status, StatusCode::INTERNAL_SERVER_ERROR, "{body}");
+        assert!(
+            body.contains("no progress") && body.contains("1 requests pending"),
+            "{body}"
+        );
+        drop((_stream, state, engine));
+        let _ = thread.join();
     }
 
     #[tokio::test]
@@ -574,6 +637,7 @@ mod tests {
             served_model_names: vec!["smol".into(), "smollm2-135m".into()],
             shutdown_timeout: Duration::from_secs(1),
             max_stored_responses: 4,
+            stall_timeout: Some(Duration::from_secs(120)),
         })
         .expect("metrics register");
         assert!(state.check_model("smol").is_ok());

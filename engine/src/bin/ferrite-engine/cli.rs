@@ -91,6 +91,10 @@ pub struct ServerArgs {
     /// `GET /v1/responses/{id}`, the oldest evicted first; 0 stores none.
     #[arg(long, env = "FERRITE_MAX_STORED_RESPONSES", default_value_t = 1024)]
     pub max_stored_responses: usize,
+    /// Seconds without progress, while requests are pending, after which `/health` answers
+    /// 500 so a liveness probe restarts the server (a step that never returns); 0 never.
+    #[arg(long, env = "FERRITE_STALL_TIMEOUT", default_value_t = 120)]
+    pub stall_timeout: u64,
 }
 
 /// Flags of `ferrite-engine serve`.

@@ -86,6 +86,8 @@ fn serve(args: ServeArgs) -> Result<()> {
             sv.shutdown_timeout.to_string(),
             "--max-stored-responses".into(),
             sv.max_stored_responses.to_string(),
+            "--stall-timeout".into(),
+            sv.stall_timeout.to_string(),
             "--max-waiting-requests".into(),
             args.scheduler.max_waiting_requests.to_string(),
         ]);
@@ -129,6 +131,8 @@ fn serve(args: ServeArgs) -> Result<()> {
         served_model_names: names,
         shutdown_timeout: std::time::Duration::from_secs(args.server.shutdown_timeout),
         max_stored_responses: args.server.max_stored_responses,
+        stall_timeout: (args.server.stall_timeout > 0)
+            .then(|| std::time::Duration::from_secs(args.server.stall_timeout)),
     };
     let engine_config = engine_config(&args.cache, &args.scheduler);
     let load_options = args.load.options();

@@ -79,6 +79,8 @@ pub struct Sequence<E> {
     hashes: Vec<u64>,
     /// Planned in a step that has not completed.
     in_flight: bool,
+    /// Times this sequence was preempted.
+    pub preemptions: u32,
 }
 
 impl<E> Sequence<E> {
@@ -144,6 +146,7 @@ impl<E> Scheduler<E> {
             blocks: BlockTable::new(&self.pool),
             hashes: Vec::new(),
             in_flight: false,
+            preemptions: 0,
         });
     }
 
@@ -402,6 +405,10 @@ impl<E> Scheduler<E> {
         }
         seq.computed = seq.hashes.len() * bs;
         seq.cached_prompt_tokens = seq.computed.min(seq.prompt_len);
+        // As vLLM counts: a sequence's first admission only, every token of it asked for.
+        if seq.preemptions == 0 {
+            pool.count_lookup(seq.tokens.len(), seq.computed);
+        }
     }
 
     fn preempt(&mut self, index: usize) {
@@ -409,6 +416,7 @@ impl<E> Scheduler<E> {
         seq.blocks.release_all();
         seq.hashes.clear();
         seq.computed = 0;
+        seq.preemptions += 1;
         self.preemptions += 1;
         self.waiting.push_front(seq);
     }
@@ -486,6 +494,14 @@ mod tests {
         assert_eq!(lens, vec![(0, 10), (8, 2)]);
         let (first, second) = (&s.running()[0], &s.running()[1]);
         assert_eq!(second.cached_prompt_tokens, 8);
+        // Both asked for all 10 tokens, as vLLM counts queries; the twin found 8.
+        assert_eq!(
+            s.pool().prefix_stats(),
+            crate::kv::PrefixStats {
+                queries: 20,
+                hits: 8
+            }
+        );
         assert_eq!(first.blocks()[..2], second.blocks()[..2]);
         assert_ne!(first.blocks()[2], second.blocks()[2]);
         // With a 6-token budget the first prompt takes a step alone; in its second step it
@@ -653,6 +669,16 @@ mod tests {
                 start: 4,
                 len: 1
             }]
+        );
+        // Its lookup on coming back is not counted again, as vLLM does not count it; its
+        // preemption is its own.
+        assert_eq!(s.running()[0].preemptions, 1);
+        assert_eq!(
+            s.pool().prefix_stats(),
+            crate::kv::PrefixStats {
+                queries: 8,
+                hits: 0
+            }
         );
     }
 

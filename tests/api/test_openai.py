@@ -298,6 +298,52 @@ def test_metrics_use_vllm_names(server):
     assert m[f'vllm:request_success_total{{finished_reason="length",model_name="{NAME}"}}'] > 0
 
 
+def test_per_request_series_count_what_each_request_was(client, server):
+    """vLLM's per-request histograms and the step histogram move by what one call did."""
+    wait_idle(server)
+    label = f'{{model_name="{NAME}"}}'
+    before = server.metrics()
+    prompt = " ".join(["The river runs to the sea."] * 6)
+    r = client.completions.create(model=NAME, prompt=prompt, max_tokens=5, n=2, temperature=0,
+                                  extra_body={"ignore_eos": True})
+    p = r.usage.prompt_tokens
+    assert r.usage.completion_tokens == 10
+    after = wait_idle(server)
+
+    def moved(series):
+        return after[f"vllm:{series}{label}"] - before.get(f"vllm:{series}{label}", 0)
+
+    # One prompt with n = 2: one observation of n and max_tokens; two finished requests.
+    assert (moved("request_params_n_count"), moved("request_params_n_sum")) == (1, 2)
+    assert (moved("request_params_max_tokens_count"), moved("request_params_max_tokens_sum")) == (1, 5)
+    assert (moved("request_prompt_tokens_count"), moved("request_prompt_tokens_sum")) == (2, 2 * p)
+    assert (moved("request_generation_tokens_count"), moved("request_generation_tokens_sum")) == (2, 10)
+    for phase in ["prefill", "decode", "inference"]:
+        assert moved(f"request_{phase}_time_seconds_count") == 2, phase
+    assert moved("request_time_per_output_token_seconds_count") == 2
+    assert moved("request_time_per_output_token_seconds_sum") > 0
+    assert (moved("request_num_preemptions_count"), moved("request_num_preemptions_sum")) == (2, 0)
+    # The second choice found the prompt's full blocks in the cache; what was computed is
+    # the rest, request by request.
+    cached = moved("prompt_tokens_cached_total")
+    assert cached >= (p - 1) // 16 * 16 >= 32
+    assert moved("request_prefill_kv_computed_tokens_sum") == 2 * p - cached
+    # Every step's tokens are in the step histogram: at least the computed prompt tokens
+    # and the ten generated.
+    assert moved("iteration_tokens_total_count") >= 5
+    assert moved("iteration_tokens_total_sum") >= 2 * p - cached + 10
+    assert after[f'vllm:iteration_tokens_total_bucket{{model_name="{NAME}",le="+Inf"}}'] == \
+        after[f"vllm:iteration_tokens_total_count{label}"]
+    # The prefix cache counts every token of each sequence it was asked for, as vLLM does.
+    assert moved("prefix_cache_queries_total") == 2 * p
+    assert moved("prefix_cache_hits_total") == cached
+
+
+def test_the_cache_configuration_says_the_blocks_are_in_cpu_memory(server):
+    info = [k for k in server.metrics() if k.startswith("vllm:cache_config_info{")]
+    assert len(info) == 1 and 'device="cpu"' in info[0], info
+
+
 def test_sigterm_finishes_in_flight_requests_and_refuses_new_ones():
     s = Server("--shutdown-timeout", "60")
     client = s.client()

@@ -167,6 +167,36 @@ pub struct EngineStats {
     pub generated_tokens: u64,
     /// Steps run.
     pub steps: u64,
+    /// Tokens each step computed (prompt and generated), as histogram buckets.
+    pub iteration_tokens: IterationTokens,
+}
+
+/// Upper bounds of [`IterationTokens`]' buckets: vLLM's `vllm:iteration_tokens_total` buckets.
+pub const ITERATION_TOKEN_BUCKETS: [u64; 13] = [
+    1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384,
+];
+
+/// A histogram of tokens per step, kept with the engine's counters so every way of running
+/// the loop (one process, a pipeline leader) feeds it.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct IterationTokens {
+    /// Steps with at most [`ITERATION_TOKEN_BUCKETS`]`[i]` tokens, not cumulative; the last
+    /// entry counts the steps above every bound.
+    pub buckets: [u64; ITERATION_TOKEN_BUCKETS.len() + 1],
+    /// Tokens over every step.
+    pub sum: u64,
+}
+
+impl IterationTokens {
+    /// Counts one step of `tokens` tokens.
+    pub fn observe(&mut self, tokens: u64) {
+        let i = ITERATION_TOKEN_BUCKETS
+            .iter()
+            .position(|&b| tokens <= b)
+            .unwrap_or(ITERATION_TOKEN_BUCKETS.len());
+        self.buckets[i] += 1;
+        self.sum += tokens;
+    }
 }
 
 /// Fixed facts about the running engine.

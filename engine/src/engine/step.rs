@@ -21,7 +21,7 @@ use crate::model::llama::{Batch, Logits, SeqSlice};
 use crate::model::LoadedModel;
 use crate::parallel::Pipeline;
 use crate::sampling::SamplingParams;
-use crate::scheduler::{Scheduled, Scheduler, SchedulerConfig};
+use crate::scheduler::{Scheduled, Scheduler, SchedulerConfig, Sequence};
 use crate::sequence::{FinishReason, SequenceState, TokenOutput};
 
 /// A request on its way to the engine thread.
@@ -57,14 +57,18 @@ impl Sink {
         s.start.min(end)..(s.start + s.len).min(end)
     }
 
-    fn finish(&self, seq_prompt: usize, seq_len: usize, cached: usize, reason: FinishReason) {
-        let queued = self.scheduled.unwrap_or_else(Instant::now) - self.arrived;
-        let _ = self.events.send(Event::Finished(Finish {
+    /// Sends `seq`'s last event: why and how it ended.
+    fn finish(seq: &Sequence<Sink>, reason: FinishReason) {
+        let sink = &seq.sink;
+        let queued = sink.scheduled.unwrap_or_else(Instant::now) - sink.arrived;
+        let _ = sink.events.send(Event::Finished(Finish {
             reason,
-            prompt_tokens: seq_prompt,
-            completion_tokens: seq_len - seq_prompt,
-            cached_tokens: cached,
+            prompt_tokens: seq.prompt_len,
+            completion_tokens: seq.tokens.len() - seq.prompt_len,
+            cached_tokens: seq.cached_prompt_tokens,
             queue_seconds: queued.as_secs_f64(),
+            scheduled: sink.scheduled,
+            preemptions: seq.preemptions,
         }));
     }
 }
@@ -226,9 +230,7 @@ impl EngineLoop {
                     tracing::error!("engine step failed: {e}");
                     // Nothing can be computed reliably any more: end every request with abort.
                     for seq in self.sched.abort_all() {
-                        let (p, n, c) =
-                            (seq.prompt_len, seq.tokens.len(), seq.cached_prompt_tokens);
-                        seq.sink.finish(p, n, c, FinishReason::Abort);
+                        Sink::finish(&seq, FinishReason::Abort);
                     }
                 }
             }
@@ -319,6 +321,7 @@ impl EngineLoop {
         }
         if let Ok(mut st) = self.shared.stats.lock() {
             st.steps += 1;
+            st.iteration_tokens.observe(prompt_tokens + out.generated);
             st.generated_tokens += out.generated;
             st.computed_prompt_tokens += prompt_tokens;
         }
@@ -474,8 +477,7 @@ impl EngineLoop {
                 text: step.text,
             });
             if let Some(reason) = step.finished {
-                let (p, n, c) = (seq.prompt_len, seq.tokens.len(), seq.cached_prompt_tokens);
-                seq.sink.finish(p, n, c, reason);
+                Sink::finish(seq, reason);
                 out.finished.push(index);
             }
         }

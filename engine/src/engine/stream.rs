@@ -1,5 +1,7 @@
 //! What a request's stream carries, and the one way to collect a whole completion from it.
 
+use std::time::Instant;
+
 use tokio::sync::mpsc::UnboundedReceiver;
 
 use crate::error::{Error, Result};
@@ -35,6 +37,10 @@ pub struct Finish {
     pub cached_tokens: usize,
     /// Seconds from arrival until the request was first scheduled.
     pub queue_seconds: f64,
+    /// When the request was first scheduled (`None` if it never was).
+    pub scheduled: Option<Instant>,
+    /// Times the request was preempted (its blocks given back, recomputed later).
+    pub preemptions: u32,
 }
 
 /// A whole completion, collected from its stream.

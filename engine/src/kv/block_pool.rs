@@ -130,17 +130,22 @@ impl BlockPool {
     }
 
     /// Looks a full block up by its chained hash; on a hit the caller holds one more
-    /// reference to it. Counts `block_size` queried (and hit) tokens.
+    /// reference to it. The caller counts the lookup ([`BlockPool::count_lookup`]).
     pub fn lookup(&mut self, hash: u64) -> Option<BlockId> {
-        self.stats.queries += self.block_size as u64;
         let id = *self.by_hash.get(&hash)?;
         let i = id as usize;
         if self.refcount[i] == 0 {
             self.evictable.remove(&self.released_at[i]);
         }
         self.refcount[i] += 1;
-        self.stats.hits += self.block_size as u64;
         Some(id)
+    }
+
+    /// Counts one sequence's lookup as vLLM counts it: all `queried` tokens of the sequence
+    /// asked for, `hit` of them found.
+    pub fn count_lookup(&mut self, queried: usize, hit: usize) {
+        self.stats.queries += queried as u64;
+        self.stats.hits += hit as u64;
     }
 
     /// Records that `block` (held by the caller) now holds a full block with `hash`, so
@@ -196,10 +201,11 @@ mod tests {
         let d = pool.allocate().expect("evicts");
         assert_eq!((c, d), (b, a));
         assert_eq!(pool.lookup(7), None, "eviction forgot the hash");
+        pool.count_lookup(10, 4);
         assert_eq!(
             pool.prefix_stats(),
             PrefixStats {
-                queries: 8,
+                queries: 10,
                 hits: 4
             }
         );

@@ -129,7 +129,16 @@ pub(super) fn submit(
             (j.prompt.clone(), p)
         })
         .collect();
-    ready.engine.submit_all(requests).map_err(ApiError::from)
+    let streams = ready.engine.submit_all(requests).map_err(ApiError::from)?;
+    // Each prompt is one request of `n` choices, as vLLM counts them.
+    for job in jobs.iter().filter(|j| j.choice == 0) {
+        let n = jobs
+            .iter()
+            .filter(|j| j.prompt_index == job.prompt_index)
+            .count();
+        state.metrics.note_params(n, params.max_tokens);
+    }
+    Ok(streams)
 }
 
 /// Per-request latency bookkeeping for the metrics. A request dropped before it finished —
@@ -137,6 +146,7 @@ pub(super) fn submit(
 /// as vLLM counts it.
 pub(super) struct Tracker {
     arrived: Instant,
+    first: Option<Instant>,
     last: Option<Instant>,
     finished: bool,
     state: Arc<AppState>,
@@ -145,11 +155,7 @@ pub(super) struct Tracker {
 impl Drop for Tracker {
     fn drop(&mut self) {
         if !self.finished {
-            self.state
-                .metrics
-                .success
-                .with_label_values(&["abort"])
-                .inc();
+            self.state.metrics.note_end("abort");
         }
     }
 }
@@ -158,6 +164,7 @@ impl Tracker {
     pub(super) fn new(arrived: Instant, state: Arc<AppState>) -> Self {
         Tracker {
             arrived,
+            first: None,
             last: None,
             finished: false,
             state,
@@ -177,7 +184,10 @@ impl Tracker {
         let now = Instant::now();
         let m = &self.state.metrics;
         match self.last {
-            None => m.ttft.observe((now - self.arrived).as_secs_f64()),
+            None => {
+                m.ttft.observe((now - self.arrived).as_secs_f64());
+                self.first = Some(now);
+            }
             Some(t) => m.inter_token.observe((now - t).as_secs_f64()),
         }
         self.last = Some(now);
@@ -185,12 +195,12 @@ impl Tracker {
 
     fn finish(&mut self, f: &Finish) {
         self.finished = true;
-        let m = &self.state.metrics;
-        m.e2e.observe(self.arrived.elapsed().as_secs_f64());
-        m.queue_time.observe(f.queue_seconds);
-        m.prompt_tokens.inc_by(f.prompt_tokens as u64);
-        m.generation_tokens.inc_by(f.completion_tokens as u64);
-        m.success.with_label_values(&[f.reason.as_str()]).inc();
+        let timeline = super::metrics::Timeline {
+            arrived: self.arrived,
+            first_token: self.first,
+            last_token: self.last,
+        };
+        self.state.metrics.note_finished(f, &timeline);
     }
 }
 

@@ -125,13 +125,9 @@ impl AppState {
 
     /// Marks the model loaded and serving.
     pub fn set_ready(&self, engine: EngineHandle, tokenizer: Tokenizer) {
-        let plan = &engine.info().cache;
-        self.metrics.set_cache_config(
-            plan.block_size,
-            plan.num_blocks,
-            engine.info().utilization,
-            engine.info().prefix_caching,
-        );
+        if let Err(e) = self.metrics.set_engine_info(engine.info()) {
+            tracing::warn!("cannot register the token-count histograms: {e}");
+        }
         let _ = self.ready.set(Arc::new(Ready {
             engine,
             tokenizer,

@@ -25,6 +25,17 @@ pub enum Error {
 }
 
 impl Error {
+    /// Every [`Error::kind`], for metrics that start each at zero.
+    pub const KINDS: [&'static str; 7] = [
+        "api",
+        "client",
+        "invalid_spec",
+        "missing_field",
+        "serialize",
+        "leader",
+        "io",
+    ];
+
     /// A short label for the `errors by kind` metric.
     pub fn kind(&self) -> &'static str {
         match self {
@@ -35,6 +46,25 @@ impl Error {
             Error::Serialize(_) => "serialize",
             Error::Leader(_) => "leader",
             Error::Io(_) => "io",
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_kind_an_error_reports_starts_at_zero() {
+        let errors = [
+            Error::MissingField("metadata.name"),
+            Error::Leader("lost".into()),
+            Error::Io(std::io::Error::other("bind")),
+            Error::Serialize(serde_json::from_str::<u8>("x").expect_err("not JSON")),
+            Error::Kube(kube::Error::LinesCodecMaxLineLengthExceeded),
+        ];
+        for e in &errors {
+            assert!(Error::KINDS.contains(&e.kind()), "{e}: {}", e.kind());
         }
     }
 }

@@ -53,6 +53,13 @@ impl Metrics {
             ]),
             &[],
         )?;
+        // Every series exists from the start, so a rate reads 0 rather than no data.
+        for result in ["ok", "error"] {
+            reconciles.with_label_values(&[result]);
+        }
+        for kind in crate::error::Error::KINDS {
+            errors.with_label_values(&[kind]);
+        }
         registry.register(Box::new(reconciles.clone()))?;
         registry.register(Box::new(errors.clone()))?;
         registry.register(Box::new(duration.clone()))?;

@@ -6,6 +6,10 @@ use prometheus::{
     Encoder, Histogram, HistogramOpts, IntCounterVec, IntGaugeVec, Opts, Registry, TextEncoder,
 };
 
+/// The `reason`s of `ferrite_router_retries_total`: the replica refused the connection, it
+/// answered 503, or a held request's new replica was still starting.
+pub const RETRY_REASONS: [&str; 3] = ["connect", "unavailable", "starting"];
+
 /// Every series the router exports.
 #[derive(Clone)]
 pub struct Metrics {
@@ -91,6 +95,15 @@ impl Metrics {
             picks,
             activations,
         })
+    }
+
+    /// Makes a routed model's held and retry series exist (at 0) from its first request, so
+    /// dashboards and alerts read none rather than no data.
+    pub fn touch_model(&self, model: &str) {
+        self.held.with_label_values(&[model]);
+        for reason in RETRY_REASONS {
+            self.retries.with_label_values(&[model, reason]);
+        }
     }
 
     /// The text exposition.

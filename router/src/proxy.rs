@@ -561,6 +561,7 @@ async fn route_and_send(
     let Some(mut route) = proxy.catalog.route(model) else {
         return proxy.unknown_model(model).into_response();
     };
+    proxy.metrics.touch_model(model);
     let held = route.endpoints.is_empty();
     if held {
         route = match proxy.wait_for_replica(model, route).await {

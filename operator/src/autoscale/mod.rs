@@ -47,13 +47,136 @@ impl Default for Settings {
     }
 }
 
-/// The autoscaler's metrics.
+/// The autoscaler's metrics, and the replica counts and targets of every LLMService it
+/// lists, so dashboards and alerts compare what is wanted with what runs.
 #[derive(Clone)]
 pub struct AutoscaleMetrics {
     scrape_errors: IntCounterVec,
     decisions: IntCounterVec,
     ttft: GaugeVec,
     queue: GaugeVec,
+    recommended: GaugeVec,
+    fleet: Fleet,
+}
+
+/// Per-LLMService gauges from spec and status, set anew on every listing.
+#[derive(Clone)]
+struct Fleet {
+    desired: GaugeVec,
+    replicas: GaugeVec,
+    ready: GaugeVec,
+    min: GaugeVec,
+    max: GaugeVec,
+    target_ttft: GaugeVec,
+    target_queue: GaugeVec,
+    phase: GaugeVec,
+}
+
+impl Fleet {
+    fn new(registry: &Registry) -> Result<Self, prometheus::Error> {
+        let gauge =
+            |name: &str, help: &str, extra: &[&str]| -> Result<GaugeVec, prometheus::Error> {
+                let labels: Vec<&str> = ["namespace", "llmservice"]
+                    .iter()
+                    .chain(extra)
+                    .copied()
+                    .collect();
+                let g = GaugeVec::new(Opts::new(name, help), &labels)?;
+                registry.register(Box::new(g.clone()))?;
+                Ok(g)
+            };
+        Ok(Self {
+            desired: gauge(
+                "ferrite_operator_llmservice_desired_replicas",
+                "Replicas (groups, with pipeline stages) an LLMService should run: status.desiredReplicas, else spec.replicas",
+                &[],
+            )?,
+            replicas: gauge(
+                "ferrite_operator_llmservice_replicas",
+                "Replicas an LLMService's workload has (status.replicas)",
+                &[],
+            )?,
+            ready: gauge(
+                "ferrite_operator_llmservice_ready_replicas",
+                "Ready replicas of an LLMService (status.readyReplicas)",
+                &[],
+            )?,
+            min: gauge(
+                "ferrite_operator_autoscale_min_replicas",
+                "spec.autoscaling.minReplicas",
+                &[],
+            )?,
+            max: gauge(
+                "ferrite_operator_autoscale_max_replicas",
+                "spec.autoscaling.maxReplicas",
+                &[],
+            )?,
+            target_ttft: gauge(
+                "ferrite_operator_autoscale_target_ttft_seconds",
+                "spec.autoscaling.targetTTFTSeconds, labelled with the quantile it applies to",
+                &["quantile"],
+            )?,
+            target_queue: gauge(
+                "ferrite_operator_autoscale_target_queue_depth",
+                "spec.autoscaling.targetQueueDepth",
+                &[],
+            )?,
+            phase: gauge(
+                "ferrite_operator_llmservice_phase",
+                "1 for an LLMService's status.phase",
+                &["phase"],
+            )?,
+        })
+    }
+
+    /// Sets every gauge from `list` alone, so LLMServices that are gone disappear.
+    fn record(&self, list: &[LLMService]) {
+        for g in [
+            &self.desired,
+            &self.replicas,
+            &self.ready,
+            &self.min,
+            &self.max,
+            &self.target_ttft,
+            &self.target_queue,
+            &self.phase,
+        ] {
+            g.reset();
+        }
+        for svc in list {
+            let ns = svc.namespace().unwrap_or_default();
+            let name = svc.name_any();
+            let key = [ns.as_str(), name.as_str()];
+            let status = svc.status.clone().unwrap_or_default();
+            self.desired
+                .with_label_values(&key)
+                .set(crate::reconcile::desired_replicas(svc).into());
+            self.replicas
+                .with_label_values(&key)
+                .set(status.replicas.unwrap_or(0).into());
+            self.ready
+                .with_label_values(&key)
+                .set(status.ready_replicas.unwrap_or(0).into());
+            if let Some(phase) = &status.phase {
+                self.phase.with_label_values(&[&ns, &name, phase]).set(1.0);
+            }
+            let Some(spec) = &svc.spec.autoscaling else {
+                continue;
+            };
+            let t = Targets::from_spec(spec);
+            self.min.with_label_values(&key).set(t.min.into());
+            self.max.with_label_values(&key).set(t.max.into());
+            if let Some(ttft) = t.ttft_seconds {
+                let q = t.ttft_quantile.to_string();
+                self.target_ttft
+                    .with_label_values(&[&ns, &name, &q])
+                    .set(ttft);
+            }
+            if let Some(q) = t.queue_depth {
+                self.target_queue.with_label_values(&key).set(q);
+            }
+        }
+    }
 }
 
 impl AutoscaleMetrics {
@@ -71,12 +194,12 @@ impl AutoscaleMetrics {
                 "ferrite_operator_autoscale_decisions_total",
                 "Autoscaler decisions by direction",
             ),
-            &["namespace", "llmservice", "direction"],
+            &["namespace", "llmservice", "direction", "reason"],
         )?;
         let ttft = GaugeVec::new(
             Opts::new(
                 "ferrite_operator_autoscale_ttft_seconds",
-                "Last computed TTFT quantile",
+                "TTFT at spec.autoscaling.ttftQuantile over windowSeconds, summed over the ready replicas; absent without requests in the window",
             ),
             &["namespace", "llmservice"],
         )?;
@@ -87,15 +210,25 @@ impl AutoscaleMetrics {
             ),
             &["namespace", "llmservice"],
         )?;
+        let recommended = GaugeVec::new(
+            Opts::new(
+                "ferrite_operator_autoscale_recommended_replicas",
+                "Replicas the last interval's signals asked for, before minReplicas and maxReplicas",
+            ),
+            &["namespace", "llmservice"],
+        )?;
         registry.register(Box::new(scrape_errors.clone()))?;
         registry.register(Box::new(decisions.clone()))?;
         registry.register(Box::new(ttft.clone()))?;
         registry.register(Box::new(queue.clone()))?;
+        registry.register(Box::new(recommended.clone()))?;
         Ok(Self {
             scrape_errors,
             decisions,
             ttft,
             queue,
+            recommended,
+            fleet: Fleet::new(registry)?,
         })
     }
 }
@@ -261,6 +394,7 @@ pub async fn run(
                 continue;
             }
         };
+        metrics.fleet.record(&list);
         let now = started.elapsed().as_secs_f64();
         let keys: Vec<String> = list
             .iter()
@@ -336,8 +470,12 @@ async fn step(
         .with_label_values(&[&ns, &name])
         .inc_by(failed);
 
-    if let Some(v) = ttft {
-        metrics.ttft.with_label_values(&[&ns, &name]).set(v);
+    match ttft {
+        Some(v) => metrics.ttft.with_label_values(&[&ns, &name]).set(v),
+        // No request in the window: no TTFT, rather than the last one standing.
+        None => {
+            let _ = metrics.ttft.remove_label_values(&[&ns, &name]);
+        }
     }
     if let Some(q) = d.queue_per_replica {
         metrics.queue.with_label_values(&[&ns, &name]).set(q);
@@ -349,8 +487,12 @@ async fn step(
     };
     metrics
         .decisions
-        .with_label_values(&[&ns, &name, direction])
+        .with_label_values(&[&ns, &name, direction, d.signal.as_str()])
         .inc();
+    metrics
+        .recommended
+        .with_label_values(&[&ns, &name])
+        .set(d.recommendation.into());
 
     // Before a scale-down, mark the pods with the fewest running requests as cheapest to delete.
     if d.desired < current {

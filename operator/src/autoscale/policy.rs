@@ -100,6 +100,36 @@ pub struct Decision {
     pub limited: Option<String>,
     /// Waiting requests per ready replica (missing pods as idle), if measured.
     pub queue_per_replica: Option<f64>,
+    /// What decided it, as a metric label.
+    pub signal: Signal,
+}
+
+/// What an interval's decision rested on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Signal {
+    /// TTFT against its target had the larger ratio.
+    Ttft,
+    /// Waiting requests per replica against their target had the larger ratio.
+    Queue,
+    /// No ready pod answered its scrape.
+    NoMetrics,
+    /// A request waits for a model at zero replicas.
+    Activation,
+    /// No request for `scaleToZeroAfterSeconds`.
+    Idle,
+}
+
+impl Signal {
+    /// The `reason` label of `ferrite_operator_autoscale_decisions_total`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Signal::Ttft => "ttft",
+            Signal::Queue => "queue",
+            Signal::NoMetrics => "no_metrics",
+            Signal::Activation => "activation",
+            Signal::Idle => "idle",
+        }
+    }
 }
 
 fn fmt(v: f64) -> String {
@@ -181,6 +211,7 @@ pub fn decide(inp: &Inputs) -> Decision {
         reason,
         limited: None,
         queue_per_replica,
+        signal: Signal::NoMetrics,
     };
     let (Some(up), Some(down)) = (ratio(false), ratio(true)) else {
         let mut d = base(
@@ -230,12 +261,18 @@ pub fn decide(inp: &Inputs) -> Decision {
             );
         }
     }
+    let signal = match (queue_ratio(false), ttft_ratio) {
+        (Some(q), Some(t)) if t > q => Signal::Ttft,
+        (None, Some(_)) => Signal::Ttft,
+        _ => Signal::Queue,
+    };
     let mut d = Decision {
         desired,
         recommendation,
         reason,
         limited: None,
         queue_per_replica,
+        signal,
     };
     clamp(&mut d, t, desired);
     d
@@ -253,6 +290,11 @@ fn to_or_from_zero(inp: &Inputs) -> Option<Decision> {
         reason,
         limited: None,
         queue_per_replica: None,
+        signal: if desired == 0 {
+            Signal::Idle
+        } else {
+            Signal::Activation
+        },
     };
     if current == 0 && inp.activation {
         let desired = t.min.max(1).min(t.max);
@@ -630,5 +672,18 @@ mod tests {
             "scaled down while the load kept coming back: {outputs:?}"
         );
         assert!(changes <= 3, "flapped: {outputs:?}");
+    }
+
+    #[test]
+    fn the_decision_names_the_signal_that_decided_it() {
+        // Queue 8/4 = 2 against TTFT 0.6/0.5 = 1.2: the queue decides.
+        let d = run(2, &[load(8.0), load(8.0)], Some(0.6), &[]);
+        assert_eq!(d.signal, Signal::Queue);
+        // Queue 4/4 = 1 against TTFT 1.5/0.5 = 3: TTFT decides.
+        let d = run(2, &[load(4.0), load(4.0)], Some(1.5), &[]);
+        assert_eq!(d.signal, Signal::Ttft);
+        assert_eq!(d.signal.as_str(), "ttft");
+        let d = run(2, &[None, None], Some(1.5), &[]);
+        assert_eq!(d.signal, Signal::NoMetrics);
     }
 }

@@ -6,7 +6,7 @@ CARGO ?= cargo
 MODEL := models/SmolLM2-135M-Instruct.Q4_1.gguf
 export FERRITE_TEST_MODEL := $(CURDIR)/$(MODEL)
 
-.PHONY: all model pyenv k8s cluster build run crds test fmt fmt-check lint bench bench-peer bench-formats bench-quality clean
+.PHONY: all model pyenv k8s cluster build run crds dashboards test fmt fmt-check lint bench bench-peer bench-formats bench-quality clean
 
 all: build
 
@@ -20,11 +20,13 @@ pyenv:
 	@scripts/python-env.sh >/dev/null
 
 ## k8s: build the test control plane (kube-apiserver, controller-manager, scheduler, etcd,
-## kwok, kubectl) and LeaderWorkerSet's controller from the Go module proxy into
-## ~/.cache/ferrite/k8s/, with the Inference Extension's InferencePool CRD (once)
+## kwok, kubectl), LeaderWorkerSet's controller, and Prometheus with promtool from the Go
+## module proxy into ~/.cache/ferrite/k8s/, with the Inference Extension's InferencePool CRD
+## (once)
 k8s:
 	@scripts/build-k8s.sh >/dev/null
 	@scripts/build-lws.sh >/dev/null
+	@scripts/build-prometheus.sh >/dev/null
 	@scripts/fetch-gie-crds.sh >/dev/null
 
 ## cluster: run that control plane in the foreground with the LLMService CRD installed
@@ -45,19 +47,26 @@ crds:
 	$(CARGO) run --quiet -p ferrite-crds --bin crdgen > crds/llmservice.yaml
 	cp crds/llmservice.yaml charts/ferrite/crds/llmservice.yaml
 
+## dashboards: regenerate the chart's Grafana dashboards from scripts/dashboards.py (tests fail
+## when the committed JSON drifts)
+dashboards:
+	python3 scripts/dashboards.py
+
 ## test: the whole suite (fetches the model and test tools first). The API tests run the
 ## binaries `cargo test --workspace` just put in target/debug/: the optimized test-profile
 ## builds (cargo copies them there on every run, over any plain `cargo build` output).
 test: model pyenv k8s
 	FERRITE_PYTHON="$$(scripts/python-env.sh)" FERRITE_K8S_DIR="$$(scripts/build-k8s.sh --print-dir)" \
 	  FERRITE_LWS_DIR="$$(scripts/build-lws.sh --print-dir)" FERRITE_GIE_DIR="$$(scripts/fetch-gie-crds.sh --print-dir)" \
+	  FERRITE_PROMETHEUS_DIR="$$(scripts/build-prometheus.sh --print-dir)" \
 	  $(CARGO) test --workspace --all-targets
 	$(CARGO) test --workspace --doc
 	# llama.cpp parity again on each lower instruction-set tier: every tier computes the same.
 	for tier in portable avx2; do \
 	  FERRITE_CPU_TIER=$$tier $(CARGO) test --quiet -p ferrite-engine --test llamacpp_parity; \
 	done
-	FERRITE_BIN=$(CURDIR)/target/debug/ferrite-engine "$$(scripts/python-env.sh)" -m pytest -q tests/api tests/chart
+	FERRITE_BIN=$(CURDIR)/target/debug/ferrite-engine FERRITE_PROMETHEUS_DIR="$$(scripts/build-prometheus.sh --print-dir)" \
+	  "$$(scripts/python-env.sh)" -m pytest -q tests/api tests/chart
 	# The kernels and the tiny-model tests cross-built for arm64 and run under qemu-user.
 	FERRITE_PYTHON="$$(scripts/python-env.sh)" scripts/test-arm64.sh
 

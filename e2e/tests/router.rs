@@ -11,7 +11,7 @@ use std::time::Duration;
 
 use futures::StreamExt;
 use serde_json::{json, Value};
-use support::{metric, python, Harness, WAIT};
+use support::{chat, metric, python, routable, WAIT};
 
 fn llmservice(name: &str, served: &str, aliases: &[&str], replicas: i32) -> Value {
     json!({
@@ -21,43 +21,6 @@ fn llmservice(name: &str, served: &str, aliases: &[&str], replicas: i32) -> Valu
                            "aliases": aliases},
                  "replicas": replicas},
     })
-}
-
-async fn chat(http: &reqwest::Client, base: &str, body: Value) -> (u16, Value) {
-    let resp = http
-        .post(format!("{base}/v1/chat/completions"))
-        .json(&body)
-        .send()
-        .await
-        .expect("an answer");
-    let status = resp.status().as_u16();
-    (status, resp.json().await.unwrap_or(Value::Null))
-}
-
-/// Waits until the router routes `model` to a replica that answers.
-async fn routable(h: &Harness, http: &reqwest::Client, model: &str) {
-    ferrite_testcluster::eventually(&format!("the router to serve {model}"), WAIT, || async {
-        let (status, _) = chat(
-            http,
-            &h.router,
-            json!({"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}),
-        )
-        .await;
-        Ok((status == 200).then_some(()))
-    })
-    .await
-    .unwrap_or_else(|e| {
-        panic!(
-            "{e}\nendpoint slices: {}",
-            std::process::Command::new(ferrite_testcluster::binaries_dir().expect("binaries").join("kubectl"))
-                .args(["--kubeconfig"])
-                .arg(h.cluster.kubeconfig_path())
-                .args(["get", "endpointslices", "-o", "yaml", "-n", &h.ns])
-                .output()
-                .map(|o| String::from_utf8_lossy(&o.stdout).into_owned())
-                .unwrap_or_default()
-        )
-    });
 }
 
 /// The prefix-cache hit rate over `engines` between two readings of their counters.

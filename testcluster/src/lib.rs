@@ -162,6 +162,12 @@ pub fn inference_pool_crd() -> Result<PathBuf, Error> {
     Ok(cached_dir("FERRITE_GIE_DIR", "fetch-gie-crds.sh")?.join("inferencepools.yaml"))
 }
 
+/// The folder holding `prometheus` and `promtool`: `$FERRITE_PROMETHEUS_DIR` when set,
+/// otherwise the one `scripts/build-prometheus.sh` prints — building them first when missing.
+pub fn prometheus_dir() -> Result<PathBuf, Error> {
+    cached_dir("FERRITE_PROMETHEUS_DIR", "build-prometheus.sh")
+}
+
 /// `$<var>` when set, otherwise the folder `scripts/<script> --print-dir` prints (the script
 /// builds what the folder should hold first when the cache lacks it).
 pub(crate) fn cached_dir(var: &str, script: &str) -> Result<PathBuf, Error> {

@@ -31,6 +31,14 @@ def render(values: dict | None, name: str, namespace: str) -> list[dict]:
     return objects
 
 
+def by_kind(objects: list[dict]) -> dict[str, list[dict]]:
+    """The objects grouped by kind, each group in file order."""
+    out: dict[str, list[dict]] = {}
+    for o in objects:
+        out.setdefault(o["kind"], []).append(o)
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--values", help="a values file")

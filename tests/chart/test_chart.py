@@ -11,17 +11,10 @@ import helm_python as helm
 import pytest
 import yaml
 
-from render import CHART, render
+from render import CHART, by_kind, render
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
-
-
-def by_kind(objects: list[dict]) -> dict[str, list[dict]]:
-    out: dict[str, list[dict]] = {}
-    for o in objects:
-        out.setdefault(o["kind"], []).append(o)
-    return out
 
 
 def custom_values() -> dict:
@@ -118,9 +111,19 @@ def test_custom_values_render_a_namespaced_operator_with_monitors():
     assert sm["spec"]["endpoints"][0]["port"] == "metrics"
     pm = kinds["PodMonitor"][0]
     assert pm["spec"]["namespaceSelector"] == {"matchNames": ["team-a"]}
+    # The engines' series carry the LLMService they serve, which the dashboards select by.
     assert pm["spec"]["podMetricsEndpoints"][0] == {
-        "port": "http", "path": "/metrics", "interval": "10s"
+        "port": "http", "path": "/metrics", "interval": "10s",
+        "relabelings": [{
+            "sourceLabels": ["__meta_kubernetes_pod_label_serving_ferrite_dev_llmservice"],
+            "targetLabel": "llmservice",
+        }],
     }
+    # The operator's series name their LLMService themselves; the router has its own monitor.
+    assert sm["spec"]["endpoints"][0]["honorLabels"] is True
+    router_sm = next(m for m in kinds["ServiceMonitor"]
+                     if m["metadata"]["name"] == "ml-ferrite-router")
+    assert router_sm["spec"]["selector"]["matchLabels"]["app.kubernetes.io/name"] == "ferrite-router"
 
 
 def test_the_router_is_installed_by_default_with_its_own_least_privilege():

@@ -17,7 +17,7 @@ use ferrite_testcluster::{eventually, install_crds, Options as ClusterOptions, T
 use k8s_openapi::api::core::v1::Pod;
 use kube::api::{Api, ListParams, PostParams};
 use kube::ResourceExt;
-use serde_json::Value;
+use serde_json::{json, Value};
 
 /// How long anything in these tests may take to happen.
 pub const WAIT: Duration = Duration::from_secs(180);
@@ -182,6 +182,15 @@ pub fn python() -> String {
 /// A cluster whose pods get addresses in `cidr` (routed to this host), the CRD, a namespace, the operator
 /// (autoscaling every second), the router started with `router_args`, and the kubelet.
 pub async fn start(cidr: &str, router_args: &[&str]) -> Harness {
+    start_with(cidr, router_args, None).await
+}
+
+/// [`start`], with the operator's `/metrics` served on `operator_metrics` when given.
+pub async fn start_with(
+    cidr: &str,
+    router_args: &[&str],
+    operator_metrics: Option<std::net::SocketAddr>,
+) -> Harness {
     let route = LocalRoute::add(cidr);
     let cidr = cidr.to_string();
     let cluster = tokio::task::spawn_blocking(move || {
@@ -208,7 +217,7 @@ pub async fn start(cidr: &str, router_args: &[&str]) -> Harness {
         namespace: Some(ns.clone()),
         engine_image: "ferrite-engine:test".into(),
         leader_election: false,
-        metrics_addr: None,
+        metrics_addr: operator_metrics,
         autoscale: ferrite_operator::autoscale::Settings {
             interval: Duration::from_secs(1),
             scrape_timeout: Duration::from_secs(1),
@@ -327,6 +336,44 @@ impl Harness {
             let _ = e.process.0.wait();
         }
     }
+}
+
+/// POSTs a chat completion to `base`; its status and JSON body (null when not JSON).
+pub async fn chat(http: &reqwest::Client, base: &str, body: Value) -> (u16, Value) {
+    let resp = http
+        .post(format!("{base}/v1/chat/completions"))
+        .json(&body)
+        .send()
+        .await
+        .expect("an answer");
+    let status = resp.status().as_u16();
+    (status, resp.json().await.unwrap_or(Value::Null))
+}
+
+/// Waits until the router routes `model` to a replica that answers.
+pub async fn routable(h: &Harness, http: &reqwest::Client, model: &str) {
+    ferrite_testcluster::eventually(&format!("the router to serve {model}"), WAIT, || async {
+        let (status, _) = chat(
+            http,
+            &h.router,
+            json!({"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}),
+        )
+        .await;
+        Ok((status == 200).then_some(()))
+    })
+    .await
+    .unwrap_or_else(|e| {
+        panic!(
+            "{e}\nendpoint slices: {}",
+            std::process::Command::new(ferrite_testcluster::binaries_dir().expect("binaries").join("kubectl"))
+                .args(["--kubeconfig"])
+                .arg(h.cluster.kubeconfig_path())
+                .args(["get", "endpointslices", "-o", "yaml", "-n", &h.ns])
+                .output()
+                .map(|o| String::from_utf8_lossy(&o.stdout).into_owned())
+                .unwrap_or_default()
+        )
+    });
 }
 
 /// One counter or gauge of an engine's (or the router's) `/metrics`, summed over its label

@@ -405,10 +405,8 @@ impl<E> Scheduler<E> {
         }
         seq.computed = seq.hashes.len() * bs;
         seq.cached_prompt_tokens = seq.computed.min(seq.prompt_len);
-        // As vLLM counts: a sequence's first admission only, every token of it asked for.
-        if seq.preemptions == 0 {
-            pool.count_lookup(seq.tokens.len(), seq.computed);
-        }
+        // As vLLM counts: every token of the sequence asked for.
+        pool.count_lookup(seq.tokens.len(), seq.computed);
     }
 
     fn preempt(&mut self, index: usize) {
@@ -670,14 +668,14 @@ mod tests {
                 len: 1
             }]
         );
-        // Its lookup on coming back is not counted again, as vLLM does not count it; its
-        // preemption is its own.
+        // Both 4-token prompts asked for every token and found none; coming back with 5
+        // tokens it found its first block. The preemption is its own.
         assert_eq!(s.running()[0].preemptions, 1);
         assert_eq!(
             s.pool().prefix_stats(),
             crate::kv::PrefixStats {
-                queries: 8,
-                hits: 0
+                queries: 4 + 4 + 5,
+                hits: 4
             }
         );
     }

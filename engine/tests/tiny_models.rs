@@ -111,7 +111,8 @@ fn tiny_qwen2_with_biases_matches_reference() {
 
 #[test]
 fn tiny_llama_half_precision_checkpoints_load() {
-    // The reference reads the same rounded weights; the f16 KV cache adds its own rounding.
+    // The reference reads the same rounded weights and rounds the activations the same way;
+    // the f16 KV cache adds its own rounding, which BF16's coarser activations amplify.
     check_hf(
         TinySpec {
             seed: 4,
@@ -127,17 +128,17 @@ fn tiny_llama_half_precision_checkpoints_load() {
             ..TinySpec::llama()
         },
         DType::BF16,
-        2e-2,
+        3e-2,
         "llama bf16",
     );
 }
 
 #[test]
 fn half_precision_checkpoints_match_the_reference_with_an_f32_cache() {
-    // The weights run as stored (BF16 widened exactly, F16 against f16-rounded activations
-    // as llama.cpp computes it); with K/V kept in f32, only that activation rounding and
-    // the order of sums separate the engine from the reference.
-    for (dtype, seed, tol) in [(DType::BF16, 8, 1e-4), (DType::F16, 9, 1e-2)] {
+    // The weights run as stored, against activations rounded as llama.cpp rounds them (to
+    // BF16 for BF16 weights, to f16 for F16); with K/V kept in f32, only that activation
+    // rounding and the order of sums separate the engine from the reference.
+    for (dtype, seed, tol) in [(DType::BF16, 8, 1e-3), (DType::F16, 9, 1e-2)] {
         let spec = TinySpec {
             seed,
             ..TinySpec::llama()

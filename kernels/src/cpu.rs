@@ -14,14 +14,17 @@ pub struct Features {
     avx512: Option<Avx512>,
     #[cfg(target_arch = "x86_64")]
     avx512_vnni: Option<Avx512Vnni>,
+    #[cfg(target_arch = "x86_64")]
+    avx512_bf16: Option<Avx512Bf16>,
 }
 
-/// The environment variable that caps the tiers used (`portable`, `avx2`, `avx512` or
-/// `avx512-vnni`): to measure or test a lower tier on a CPU that has higher ones.
+/// The environment variable that caps the tiers used (`portable`, `avx2`, `avx512`,
+/// `avx512-vnni` or `avx512-bf16`): to measure or test a lower tier on a CPU that has higher
+/// ones.
 pub const TIER_CAP_VAR: &str = "FERRITE_CPU_TIER";
 
 /// The tiers each name of [`TIER_CAP_VAR`] allows, lowest first.
-const TIER_NAMES: [&str; 4] = ["portable", "avx2", "avx512", "avx512-vnni"];
+const TIER_NAMES: [&str; 5] = ["portable", "avx2", "avx512", "avx512-vnni", "avx512-bf16"];
 
 /// The CPU's tiers, checked at the first call and remembered, capped by
 /// [`TIER_CAP_VAR`] when it names a tier.
@@ -64,10 +67,14 @@ impl Features {
         let avx512_vnni = avx512
             .filter(|_| has!("avx512vnni"))
             .map(|_| Avx512Vnni(()));
+        let avx512_bf16 = avx512_vnni
+            .filter(|_| has!("avx512bf16"))
+            .map(|_| Avx512Bf16(()));
         Features {
             avx2,
             avx512,
             avx512_vnni,
+            avx512_bf16,
         }
     }
 
@@ -90,6 +97,9 @@ impl Features {
             }
             if tiers < 4 {
                 f.avx512_vnni = None;
+            }
+            if tiers < 5 {
+                f.avx512_bf16 = None;
             }
             f
         }
@@ -115,6 +125,12 @@ impl Features {
         self.avx512_vnni
     }
 
+    /// AVX-512 BF16's `vdpbf16ps` (with the VNNI tier), if present.
+    #[cfg(target_arch = "x86_64")]
+    pub fn avx512_bf16(self) -> Option<Avx512Bf16> {
+        self.avx512_bf16
+    }
+
     /// The tiers present, lowest first (`portable` always), as benchmark tables and kernel
     /// tests name them.
     pub fn tiers(self) -> Vec<&'static str> {
@@ -125,6 +141,7 @@ impl Features {
             tiers.extend(self.avx2.map(|_| "avx2"));
             tiers.extend(self.avx512.map(|_| "avx512"));
             tiers.extend(self.avx512_vnni.map(|_| "avx512-vnni"));
+            tiers.extend(self.avx512_bf16.map(|_| "avx512-bf16"));
         }
         tiers
     }
@@ -144,6 +161,19 @@ pub struct Avx512(());
 #[cfg(target_arch = "x86_64")]
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Avx512Vnni(());
+
+/// Proof that the CPU runs AVX-512 BF16 (`vdpbf16ps`), and the AVX-512 VNNI tier.
+#[cfg(target_arch = "x86_64")]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Avx512Bf16(());
+
+#[cfg(target_arch = "x86_64")]
+impl Avx512Bf16 {
+    /// The AVX-512 tier below it.
+    pub fn avx512(self) -> Avx512 {
+        Avx512(())
+    }
+}
 
 #[cfg(target_arch = "x86_64")]
 impl Avx512 {
@@ -179,11 +209,13 @@ mod tests {
         {
             assert!(f.avx512().is_none() || f.avx2().is_some());
             assert!(f.avx512_vnni().is_none() || f.avx512().is_some());
+            assert!(f.avx512_bf16().is_none() || f.avx512_vnni().is_some());
             assert_eq!(
                 tiers.len(),
                 1 + usize::from(f.avx2().is_some())
                     + usize::from(f.avx512().is_some())
                     + usize::from(f.avx512_vnni().is_some())
+                    + usize::from(f.avx512_bf16().is_some())
             );
         }
         eprintln!("kernel tiers this CPU runs: {}", tiers.join(", "));
@@ -197,6 +229,7 @@ mod tests {
         {
             let avx2 = all.capped(2);
             assert!(avx2.avx512().is_none() && avx2.avx512_vnni().is_none());
+            assert!(all.capped(4).avx512_bf16().is_none());
             assert_eq!(avx2.avx2(), all.avx2());
         }
         assert_eq!(all.capped(TIER_NAMES.len()), all);
@@ -204,6 +237,7 @@ mod tests {
         assert_eq!(tiers_up_to("portable"), Some(1));
         assert_eq!(tiers_up_to("avx2"), Some(2));
         assert_eq!(tiers_up_to("avx512-vnni"), Some(4));
+        assert_eq!(tiers_up_to("avx512-bf16"), Some(5));
         assert_eq!(tiers_up_to("sse9"), None);
         #[cfg(target_arch = "x86_64")]
         if all.avx2().is_some() {

@@ -7,7 +7,7 @@ positions. The vocabulary holds the 128 ASCII bytes (so every token's text is wh
 which llama-server needs to report each token's probabilities), five merges and an end token.
 Other shapes for benchmarks (its text is noise, its speed is real): --hidden, --ffn, --heads,
 --kv-heads, --layers, --ctx (positions), and --vocab (filler tokens `w<i>` after the byte tokens, which no merge
-produces); --f16 stores the matrices in F16.
+produces); --f16 stores the matrices in F16, --bf16 in BF16 (rounded to nearest even).
 Usage: tiny_model.py OUT.gguf [shape flags] (run with llama.cpp's gguf-py on PYTHONPATH)."""
 import argparse
 
@@ -42,6 +42,7 @@ def main():
     p.add_argument("--vocab", type=int, default=134)
     p.add_argument("--ctx", type=int, default=512)
     p.add_argument("--f16", action="store_true")
+    p.add_argument("--bf16", action="store_true")
     a = p.parse_args()
     HIDDEN, FFN, HEADS, KV_HEADS, LAYERS = a.hidden, a.ffn, a.heads, a.kv_heads, a.layers
     out = a.out
@@ -67,7 +68,11 @@ def main():
     w.add_rope_freq_base(10000.0)
     w.add_layer_norm_rms_eps(1e-5)
     w.add_vocab_size(vocab)
-    w.add_file_type(gguf.LlamaFileType.MOSTLY_F16 if a.f16 else gguf.LlamaFileType.ALL_F32)
+    w.add_file_type(
+        gguf.LlamaFileType.MOSTLY_BF16 if a.bf16
+        else gguf.LlamaFileType.MOSTLY_F16 if a.f16
+        else gguf.LlamaFileType.ALL_F32
+    )
     w.add_tokenizer_model("gpt2")
     w.add_tokenizer_pre("default")
     w.add_token_list(tokens)
@@ -78,26 +83,34 @@ def main():
     w.add_add_bos_token(False)
 
     def mat(rows, cols, scale):
-        m = rng.standard_normal((rows, cols), dtype=np.float32) if a.f16 else rng.standard_normal((rows, cols))
+        half = a.f16 or a.bf16
+        m = rng.standard_normal((rows, cols), dtype=np.float32) if half else rng.standard_normal((rows, cols))
+        if a.bf16:
+            bits = (m * scale).astype(np.float32).view(np.uint32)
+            return ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)
         return (m * scale).astype(np.float16 if a.f16 else np.float32)
+
+    def add_mat(name, rows, cols, scale):
+        m = mat(rows, cols, scale)
+        w.add_tensor(name, m, raw_dtype=gguf.GGMLQuantizationType.BF16 if a.bf16 else None)
 
     def norm(n):
         return (1.0 + 0.1 * rng.standard_normal(n)).astype(np.float32)
 
     hd = HIDDEN // HEADS
-    w.add_tensor("token_embd.weight", mat(vocab, HIDDEN, 1.0))
+    add_mat("token_embd.weight", vocab, HIDDEN, 1.0)
     for l in range(LAYERS):
         w.add_tensor(f"blk.{l}.attn_norm.weight", norm(HIDDEN))
-        w.add_tensor(f"blk.{l}.attn_q.weight", mat(HEADS * hd, HIDDEN, 0.08))
-        w.add_tensor(f"blk.{l}.attn_k.weight", mat(KV_HEADS * hd, HIDDEN, 0.08))
-        w.add_tensor(f"blk.{l}.attn_v.weight", mat(KV_HEADS * hd, HIDDEN, 0.08))
-        w.add_tensor(f"blk.{l}.attn_output.weight", mat(HIDDEN, HEADS * hd, 0.08))
+        add_mat(f"blk.{l}.attn_q.weight", HEADS * hd, HIDDEN, 0.08)
+        add_mat(f"blk.{l}.attn_k.weight", KV_HEADS * hd, HIDDEN, 0.08)
+        add_mat(f"blk.{l}.attn_v.weight", KV_HEADS * hd, HIDDEN, 0.08)
+        add_mat(f"blk.{l}.attn_output.weight", HIDDEN, HEADS * hd, 0.08)
         w.add_tensor(f"blk.{l}.ffn_norm.weight", norm(HIDDEN))
-        w.add_tensor(f"blk.{l}.ffn_gate.weight", mat(FFN, HIDDEN, 0.08))
-        w.add_tensor(f"blk.{l}.ffn_up.weight", mat(FFN, HIDDEN, 0.08))
-        w.add_tensor(f"blk.{l}.ffn_down.weight", mat(HIDDEN, FFN, 0.05))
+        add_mat(f"blk.{l}.ffn_gate.weight", FFN, HIDDEN, 0.08)
+        add_mat(f"blk.{l}.ffn_up.weight", FFN, HIDDEN, 0.08)
+        add_mat(f"blk.{l}.ffn_down.weight", HIDDEN, FFN, 0.05)
     w.add_tensor("output_norm.weight", norm(HIDDEN))
-    w.add_tensor("output.weight", mat(vocab, HIDDEN, 0.25))
+    add_mat("output.weight", vocab, HIDDEN, 0.25)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

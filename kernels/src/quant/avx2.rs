@@ -437,6 +437,51 @@ unsafe fn load_float(format: FloatFormat, w: *const u8, i: usize) -> __m256 {
     }
 }
 
+/// The odd and the even BF16 values of the eight column pairs at `w` (16 values), widened
+/// exactly: eight lanes of each half of the pair order.
+///
+/// # Safety
+/// `w` must hold 16 BF16 values.
+#[inline]
+#[target_feature(enable = "avx2")]
+unsafe fn load_pairs(w: *const u8) -> (__m256, __m256) {
+    // SAFETY: the caller guarantees 32 readable bytes.
+    let v = unsafe { _mm256_loadu_si256(w.cast()) };
+    let odd = _mm256_and_si256(v, _mm256_set1_epi32(0xffff_0000_u32 as i32));
+    let even = _mm256_slli_epi32::<16>(v);
+    (_mm256_castsi256_ps(odd), _mm256_castsi256_ps(even))
+}
+
+/// A BF16 row's whole pair-order blocks (`out.len()` values, a multiple of
+/// [`float::PAIR_BLOCK`]) widened exactly into `out` in pair order.
+pub(super) fn float_widen_paired(cpu: Avx2, row: &[u8], out: &mut [f32]) {
+    let _ = cpu;
+    assert!(
+        out.len().is_multiple_of(float::PAIR_BLOCK) && row.len() >= 2 * out.len(),
+        "whole pair-order blocks"
+    );
+    // SAFETY: `cpu` proves AVX2; the row holds `out.len()` BF16 values.
+    unsafe { float_widen_paired_avx2(row, out) }
+}
+
+/// # Safety
+/// `row` must hold `out.len()` BF16 values, a multiple of [`float::PAIR_BLOCK`].
+#[target_feature(enable = "avx2")]
+unsafe fn float_widen_paired_avx2(row: &[u8], out: &mut [f32]) {
+    let (w, o) = (row.as_ptr(), out.as_mut_ptr());
+    for b in (0..out.len()).step_by(float::PAIR_BLOCK) {
+        for j in 0..8 {
+            // SAFETY: columns `b + 16 j .. b + 16 j + 16` are in the row, and both halves'
+            // lanes `b + 8 j ..` and `b + 64 + 8 j ..` in `out`.
+            unsafe {
+                let (odd, even) = load_pairs(w.add(2 * (b + 16 * j)));
+                _mm256_storeu_ps(o.add(b + 8 * j), odd);
+                _mm256_storeu_ps(o.add(b + float::LANES + 8 * j), even);
+            }
+        }
+    }
+}
+
 /// Eight 8-lane accumulators holding the 64 partial sums of [`float::LANES`], folded as
 /// the AVX-512 code folds its four 16-lane ones.
 #[inline]
@@ -623,6 +668,21 @@ unsafe fn float_sums_avx2(format: FloatFormat, w: *const u8, x: &[f32]) -> f32 {
     let mut acc = [_mm256_setzero_ps(); 8];
     let xp = x.as_ptr();
     let mut i = 0;
+    if format == FloatFormat::BF16 {
+        // Whole pair-order blocks: each lane's odd column, then its even one.
+        while i + float::PAIR_BLOCK <= x.len() {
+            for (j, a) in acc.iter_mut().enumerate() {
+                // SAFETY: columns `i .. i + 128` of both rows.
+                unsafe {
+                    let (odd, even) = load_pairs(w.add(2 * (i + 16 * j)));
+                    *a = _mm256_fmadd_ps(odd, _mm256_loadu_ps(xp.add(i + 8 * j)), *a);
+                    let x_even = _mm256_loadu_ps(xp.add(i + float::LANES + 8 * j));
+                    *a = _mm256_fmadd_ps(even, x_even, *a);
+                }
+            }
+            i += float::PAIR_BLOCK;
+        }
+    }
     while i < whole {
         for (j, a) in acc.iter_mut().enumerate() {
             // SAFETY: `i + 8 j + 8 <= whole <= x.len()` values of both rows.

@@ -4,9 +4,21 @@
 //! as `(p[l] + p[32+l]) + (p[16+l] + p[48+l])` into 16 lanes and those by halves
 //! (`_mm512_reduce_add_ps`), then the columns past the last whole step. F16 weights meet
 //! activations rounded to f16 (ggml's `vec_dot_type`) and add the leftover products in
-//! f64; F32 and BF16 weights meet the f32 activations (BF16 widened exactly, our own
-//! definition: ggml rounds the activations to BF16). Every tier computes that same
-//! arithmetic, so results are equal bit for bit between tiers and between batch sizes.
+//! f64; F32 weights meet the f32 activations.
+//!
+//! BF16 weights meet activations rounded to BF16 as ggml rounds them, in the pairs
+//! `vdpbf16ps` adds: each of the 64 partial sums takes a pair of adjacent columns per step of
+//! 128, the odd column's product first, then the even one's, each a fused multiply-add (the
+//! products of two BF16 values are exact in f32). The kernels see that as the F32 arithmetic
+//! on values laid out in *pair order* — in every whole block of 128 columns the odd columns
+//! first, then the even ones ([`FloatFormat::activations`], [`FloatKernel::widen`]) — so
+//! every tier runs the F32 code on them, and the `vdpbf16ps` tier gives the same bits
+//! wherever no input or partial sum can be subnormal (which it flushes to zero), and
+//! leaves the rest to the multiply-adds ([`pairs_exact`]). Our own definition: ggml's
+//! vector dot product and llamafile's sgemm each add BF16 products in orders of their own.
+//!
+//! Every tier computes that same arithmetic, so results are equal bit for bit between
+//! tiers and between batch sizes.
 
 use std::borrow::Cow;
 
@@ -29,6 +41,83 @@ pub(crate) const TILE_ROWS: usize = 16;
 /// [`TILE_ROWS`] activation rows meet it, where whole widened rows of a 2048- to 8192-wide
 /// layer (32 to 128 KiB) would be fetched from L2 again for every few activation rows.
 pub(crate) const TILE_BLOCK: usize = 512;
+
+/// Columns of one BF16 pair-order block: 64 pairs, one for each partial sum.
+pub(crate) const PAIR_BLOCK: usize = 2 * LANES;
+
+/// The least exponent a BF16 weight's and an activation's least exponents may add up to for
+/// `vdpbf16ps` to give the multiply-adds' bits: every product, and so every partial sum, is
+/// then a multiple of `2^(ew + ex - 14)` (eight significant bits each), at least the
+/// smallest normal f32 `2^-126`, so nothing it flushes to zero can arise.
+const PAIRS_EXACT_FROM: i32 = -112;
+
+/// The least binary exponent among the nonzero BF16 values `bits` (`i32::MAX` when all are
+/// zero), or `None` when one is subnormal, infinite or NaN.
+pub(crate) fn bf16_least_exponent(bits: impl Iterator<Item = u16>) -> Option<i32> {
+    // Branch-free, so it vectorises: a whole model's weights pass through it once.
+    let (least, bad) = bits.fold((0xffu16, false), |(least, bad), b| {
+        let exp = (b >> 7) & 0xff;
+        let zero = b & 0x7fff == 0;
+        let odd = exp == 0xff || (exp == 0 && !zero);
+        (least.min(if zero { 0xff } else { exp }), bad | odd)
+    });
+    (!bad).then(|| {
+        if least == 0xff {
+            i32::MAX
+        } else {
+            i32::from(least) - 127
+        }
+    })
+}
+
+/// Whether `vdpbf16ps` computes the pair-order arithmetic exactly for weights and activations
+/// with these [`bf16_least_exponent`]s: no subnormal input, and no product or partial sum
+/// below the smallest normal f32.
+pub(crate) fn pairs_exact(weights: Option<i32>, activations: Option<i32>) -> bool {
+    matches!((weights, activations), (Some(w), Some(x)) if w.saturating_add(x) >= PAIRS_EXACT_FROM)
+}
+
+/// `v` rounded to BF16 as ggml's `GGML_FP32_TO_BF16` rounds it: to nearest, ties to even,
+/// NaN kept quiet.
+fn round_bf16(v: f32) -> f32 {
+    half::bf16::from_f32(v).to_f32()
+}
+
+/// `row` (in original column order) written to `out` in BF16 pair order: in each whole
+/// block of [`PAIR_BLOCK`] columns the odd columns, then the even ones; the columns past the
+/// last whole block as they are.
+fn pair_order<T: Copy>(row: &[T], out: &mut [T]) {
+    let whole = row.len() / PAIR_BLOCK * PAIR_BLOCK;
+    for (o, r) in out[..whole]
+        .chunks_exact_mut(PAIR_BLOCK)
+        .zip(row[..whole].chunks_exact(PAIR_BLOCK))
+    {
+        for u in 0..LANES {
+            o[u] = r[2 * u + 1];
+            o[LANES + u] = r[2 * u];
+        }
+    }
+    out[whole..row.len()].copy_from_slice(&row[whole..]);
+}
+
+/// The BF16 bits of an activation row in pair order ([`FloatFormat::activations`] of a BF16
+/// row) put back in column order, as `vdpbf16ps` reads them.
+pub(crate) fn bf16_columns(paired: &[f32], out: &mut [u16]) {
+    let whole = paired.len() / PAIR_BLOCK * PAIR_BLOCK;
+    let bits = |v: f32| (v.to_bits() >> 16) as u16;
+    for (o, p) in out[..whole]
+        .chunks_exact_mut(PAIR_BLOCK)
+        .zip(paired[..whole].chunks_exact(PAIR_BLOCK))
+    {
+        for u in 0..LANES {
+            o[2 * u + 1] = bits(p[u]);
+            o[2 * u] = bits(p[LANES + u]);
+        }
+    }
+    for (o, &p) in out[whole..paired.len()].iter_mut().zip(&paired[whole..]) {
+        *o = bits(p);
+    }
+}
 
 /// A floating-point weight encoding.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -89,7 +178,8 @@ impl FloatFormat {
     }
 
     /// The activation row as this format's dot product reads it: rounded to f16 (to
-    /// nearest, ties to even) for F16 weights, as it is otherwise.
+    /// nearest, ties to even) for F16 weights, rounded to BF16 and in pair order for BF16
+    /// weights, as it is for F32.
     pub(crate) fn activations(self, x: &[f32]) -> Cow<'_, [f32]> {
         match self {
             FloatFormat::F16 => {
@@ -97,11 +187,16 @@ impl FloatFormat {
                 self.activations_into(x, &mut out);
                 Cow::Owned(out)
             }
-            FloatFormat::F32 | FloatFormat::BF16 => Cow::Borrowed(x),
+            FloatFormat::BF16 => {
+                let mut out = vec![0.0; x.len()];
+                self.activations_into(x, &mut out);
+                Cow::Owned(out)
+            }
+            FloatFormat::F32 => Cow::Borrowed(x),
         }
     }
 
-    /// [`Self::activations`] written into `out` (as long as `x`).
+    /// [`Self::activations`] of one row written into `out` (as long as `x`).
     pub(crate) fn activations_into(self, x: &[f32], out: &mut [f32]) {
         match self {
             FloatFormat::F16 => {
@@ -109,8 +204,32 @@ impl FloatFormat {
                     *o = half::f16::from_f32(v).to_f32();
                 }
             }
-            FloatFormat::F32 | FloatFormat::BF16 => out.copy_from_slice(x),
+            FloatFormat::BF16 => {
+                pair_order(x, out);
+                for o in out.iter_mut() {
+                    *o = round_bf16(*o);
+                }
+            }
+            FloatFormat::F32 => out.copy_from_slice(x),
         }
+    }
+
+    /// Weight row `row` widened exactly, in the order the kernels read it: pair order for
+    /// BF16, column order otherwise. `out` is as long as the row.
+    pub(crate) fn widen_paired(self, row: &[u8], out: &mut [f32]) {
+        if self != FloatFormat::BF16 {
+            return self.widen(row, out);
+        }
+        let whole = out.len() / PAIR_BLOCK * PAIR_BLOCK;
+        let mut block = [0f32; PAIR_BLOCK];
+        for (b, o) in out[..whole].chunks_exact_mut(PAIR_BLOCK).enumerate() {
+            self.widen(
+                &row[2 * b * PAIR_BLOCK..2 * (b + 1) * PAIR_BLOCK],
+                &mut block,
+            );
+            pair_order(&block, o);
+        }
+        self.widen(&row[2 * whole..], &mut out[whole..]);
     }
 }
 
@@ -155,10 +274,25 @@ pub(crate) fn dot_portable(format: FloatFormat, w: &[u8], x: &[f32]) -> f32 {
     let k = x.len();
     let whole = k / LANES * LANES;
     let mut p = [0f32; LANES];
-    let mut chunk = [0f32; LANES];
-    for (i, xs) in x[..whole].chunks_exact(LANES).enumerate() {
+    let mut chunk = [0f32; PAIR_BLOCK];
+    let paired = if format == FloatFormat::BF16 {
+        k / PAIR_BLOCK * PAIR_BLOCK
+    } else {
+        0
+    };
+    for (b, xs) in x[..paired].chunks_exact(PAIR_BLOCK).enumerate() {
+        let bytes = 2 * PAIR_BLOCK;
+        format.widen_paired(&w[b * bytes..(b + 1) * bytes], &mut chunk);
+        for (ws, xs) in chunk.chunks_exact(LANES).zip(xs.chunks_exact(LANES)) {
+            for l in 0..LANES {
+                p[l] = ws[l].mul_add(xs[l], p[l]);
+            }
+        }
+    }
+    for (i, xs) in x[paired..whole].chunks_exact(LANES).enumerate() {
         let bytes = LANES * format.bytes();
-        format.widen(&w[i * bytes..(i + 1) * bytes], &mut chunk);
+        let at = paired * format.bytes() + i * bytes;
+        format.widen(&w[at..at + bytes], &mut chunk[..LANES]);
         for l in 0..LANES {
             p[l] = chunk[l].mul_add(xs[l], p[l]);
         }
@@ -195,6 +329,10 @@ pub(crate) enum FloatKernel {
     /// Four 16-lane accumulators per output, four weight rows at a time.
     #[cfg(target_arch = "x86_64")]
     Avx512(cpu::Avx512),
+    /// [`FloatKernel::Avx512`], with BF16 weights multiplied by `vdpbf16ps` where
+    /// [`pairs_exact`] holds (the caller's check).
+    #[cfg(target_arch = "x86_64")]
+    Avx512Bf16(cpu::Avx512Bf16),
 }
 
 impl FloatKernel {
@@ -202,6 +340,9 @@ impl FloatKernel {
     pub(crate) fn new(features: cpu::Features) -> Self {
         #[cfg(target_arch = "x86_64")]
         {
+            if let Some(cpu) = features.avx512_bf16() {
+                return FloatKernel::Avx512Bf16(cpu);
+            }
             if let Some(cpu) = features.avx512() {
                 return FloatKernel::Avx512(cpu);
             }
@@ -213,7 +354,57 @@ impl FloatKernel {
         FloatKernel::Portable
     }
 
-    /// Weight row `w` (in `format`) against activation row `x`.
+    /// This kernel for a BF16 product whose weights and activations have these
+    /// [`bf16_least_exponent`]s: the `vdpbf16ps` tier only where [`pairs_exact`] holds,
+    /// the AVX-512 multiply-adds otherwise (the same bits either way).
+    pub(crate) fn for_bf16(
+        self,
+        weights: impl FnOnce() -> Option<i32>,
+        activations: impl FnOnce() -> Option<i32>,
+    ) -> Self {
+        match self {
+            #[cfg(target_arch = "x86_64")]
+            FloatKernel::Avx512Bf16(cpu) => {
+                if pairs_exact(weights(), activations()) {
+                    self
+                } else {
+                    FloatKernel::Avx512(cpu.avx512())
+                }
+            }
+            _ => {
+                let _ = (weights, activations);
+                self
+            }
+        }
+    }
+
+    /// Whether this kernel's tiles read `format`'s weights as BF16 with `vdpbf16ps`
+    /// ([`FloatKernel::tile_bf16`]) rather than widened ([`FloatKernel::tile`]).
+    pub(crate) fn reads_bf16(self, format: FloatFormat) -> bool {
+        #[cfg(target_arch = "x86_64")]
+        if let FloatKernel::Avx512Bf16(_) = self {
+            return format == FloatFormat::BF16;
+        }
+        let _ = format;
+        false
+    }
+
+    /// Four BF16 weight rows (as stored) against activation rows `x` (BF16 bits in column
+    /// order, a multiple of four rows, at most [`TILE_ROWS`]) with `vdpbf16ps`: `out[a][r]`,
+    /// each [`FloatKernel::dot`]'s result. Only for a kernel that [`FloatKernel::reads_bf16`].
+    pub(crate) fn tile_bf16(self, w: [&[u8]; 4], x: &[&[u16]], ahead: &[u8], out: &mut [[f32; 4]]) {
+        match self {
+            #[cfg(target_arch = "x86_64")]
+            FloatKernel::Avx512Bf16(cpu) => super::avx512::bf16::tile(cpu, w, x, ahead, out),
+            _ => {
+                let _ = (w, x, ahead, out);
+                unreachable!("only the vdpbf16ps tier reads BF16 tiles")
+            }
+        }
+    }
+
+    /// Weight row `w` (in `format`) against activation row `x` (as
+    /// [`FloatFormat::activations`] gives it).
     pub(crate) fn dot(self, format: FloatFormat, w: &[u8], x: &[f32]) -> f32 {
         match self {
             FloatKernel::Portable => dot_portable(format, w, x),
@@ -221,6 +412,12 @@ impl FloatKernel {
             FloatKernel::Avx2(cpu) => super::avx2::float_dot(cpu, format, w, x),
             #[cfg(target_arch = "x86_64")]
             FloatKernel::Avx512(cpu) => super::avx512::float::dot(cpu, format, w, x),
+            #[cfg(target_arch = "x86_64")]
+            FloatKernel::Avx512Bf16(cpu) if format == FloatFormat::BF16 => {
+                super::avx512::bf16::dot(cpu, w, x)
+            }
+            #[cfg(target_arch = "x86_64")]
+            FloatKernel::Avx512Bf16(cpu) => super::avx512::float::dot(cpu.avx512(), format, w, x),
         }
     }
 
@@ -239,6 +436,10 @@ impl FloatKernel {
             #[cfg(target_arch = "x86_64")]
             FloatKernel::Avx512(cpu) => super::avx512::float::tile(cpu, format, w, x, ahead, out),
             #[cfg(target_arch = "x86_64")]
+            FloatKernel::Avx512Bf16(cpu) => {
+                super::avx512::float::tile(cpu.avx512(), format, w, x, ahead, out)
+            }
+            #[cfg(target_arch = "x86_64")]
             FloatKernel::Avx2(cpu) => super::avx2::float_tile(cpu, format, w, x, ahead, out),
             FloatKernel::Portable => {
                 super::prefetch(ahead);
@@ -249,15 +450,47 @@ impl FloatKernel {
         }
     }
 
-    /// Weight row `row` (in `format`) widened exactly to f32 into `out`.
+    /// Weight row `row` (in `format`) widened exactly to f32 into `out`, in the order the
+    /// kernels read it ([`FloatFormat::widen_paired`]).
     pub(crate) fn widen(self, format: FloatFormat, row: &[u8], out: &mut [f32]) {
         assert!(
             row.len() >= out.len() * format.bytes(),
             "weight row shorter than its output"
         );
+        let paired = if format == FloatFormat::BF16 {
+            out.len() / PAIR_BLOCK * PAIR_BLOCK
+        } else {
+            0
+        };
+        let (row, out) = match self {
+            #[cfg(target_arch = "x86_64")]
+            FloatKernel::Avx512(cpu) => {
+                super::avx512::float::widen_paired(cpu, &row[..2 * paired], &mut out[..paired]);
+                (&row[2 * paired..], &mut out[paired..])
+            }
+            #[cfg(target_arch = "x86_64")]
+            FloatKernel::Avx512Bf16(cpu) => {
+                let cpu = cpu.avx512();
+                super::avx512::float::widen_paired(cpu, &row[..2 * paired], &mut out[..paired]);
+                (&row[2 * paired..], &mut out[paired..])
+            }
+            #[cfg(target_arch = "x86_64")]
+            FloatKernel::Avx2(cpu) => {
+                super::avx2::float_widen_paired(cpu, &row[..2 * paired], &mut out[..paired]);
+                (&row[2 * paired..], &mut out[paired..])
+            }
+            FloatKernel::Portable => {
+                format.widen_paired(&row[..2 * paired], &mut out[..paired]);
+                (&row[2 * paired..], &mut out[paired..])
+            }
+        };
         let done = match self {
             #[cfg(target_arch = "x86_64")]
             FloatKernel::Avx512(cpu) => super::avx512::float::widen(cpu, format, row, out),
+            #[cfg(target_arch = "x86_64")]
+            FloatKernel::Avx512Bf16(cpu) => {
+                super::avx512::float::widen(cpu.avx512(), format, row, out)
+            }
             #[cfg(target_arch = "x86_64")]
             FloatKernel::Avx2(cpu) => super::avx2::float_widen(cpu, format, row, out),
             FloatKernel::Portable => 0,
@@ -275,6 +508,8 @@ impl FloatKernel {
             FloatKernel::Avx2(cpu) => w.map(|w| super::avx2::float_dot_f32(cpu, format, w, x)),
             #[cfg(target_arch = "x86_64")]
             FloatKernel::Avx512(cpu) => super::avx512::float::quad(cpu, format, w, x),
+            #[cfg(target_arch = "x86_64")]
+            FloatKernel::Avx512Bf16(cpu) => super::avx512::float::quad(cpu.avx512(), format, w, x),
         }
     }
 }
@@ -311,9 +546,9 @@ impl QuantMatrix {
     /// threads for decode steps and short prefills (each row read once for every
     /// activation row), the activation rows for long prefills. With more than one
     /// activation row, each group of four weight rows is widened to f32 once and reused
-    /// from cache for all of them.
+    /// from cache for all of them (or, on the `vdpbf16ps` tier, read as BF16 by all of them).
     pub(super) fn matmul_float(&self, format: FloatFormat, x: &[f32], m: usize) -> Buf {
-        let kernel = FloatKernel::new(cpu::detect());
+        let mut kernel = FloatKernel::new(cpu::detect());
         // Several rows are read many times over by the tiles: written (as the format reads
         // them) to start on a cache line, so (with a row length a multiple of 16) no vector
         // load straddles two.
@@ -321,11 +556,36 @@ impl QuantMatrix {
         let x: &[f32] = if m > 1 {
             store = Vec::new();
             let dst = aligned(&mut store, x.len());
-            format.activations_into(x, dst);
+            for (dst, x) in dst
+                .chunks_exact_mut(self.cols)
+                .zip(x.chunks_exact(self.cols))
+            {
+                format.activations_into(x, dst);
+            }
             dst
         } else {
             one = format.activations(x);
             &one
+        };
+        if format == FloatFormat::BF16 {
+            let bits = x.iter().map(|v| (v.to_bits() >> 16) as u16);
+            kernel = kernel.for_bf16(
+                || *self.bf16_exponent.get_or_init(|| self.weights_exponent()),
+                || bf16_least_exponent(bits),
+            );
+        }
+        // The `vdpbf16ps` tiles read the activations as BF16 in column order.
+        let columns: Vec<u16> = if m > 1 && kernel.reads_bf16(format) {
+            let mut cols = vec![0; x.len()];
+            for (c, row) in cols
+                .chunks_exact_mut(self.cols)
+                .zip(x.chunks_exact(self.cols))
+            {
+                bf16_columns(row, c);
+            }
+            cols
+        } else {
+            Vec::new()
         };
         let k = self.cols;
         let mut out = Buf::take(m * self.rows);
@@ -338,9 +598,18 @@ impl QuantMatrix {
                 .for_each_init(Vec::new, |scratch, (task, dst)| {
                     let first = task * per_task;
                     let n = dst[0].len();
-                    self.float_rows(kernel, format, first..first + n, x, scratch, |i, r, v| {
-                        dst[i][r - first] = v
-                    });
+                    let acts = Acts {
+                        x,
+                        columns: &columns,
+                    };
+                    self.float_rows(
+                        kernel,
+                        format,
+                        first..first + n,
+                        acts,
+                        scratch,
+                        |i, r, v| dst[i][r - first] = v,
+                    );
                 });
         } else {
             let (fewest, most) = ACT_ROWS_PER_TASK;
@@ -350,14 +619,32 @@ impl QuantMatrix {
             out.par_chunks_mut(per_task * rows)
                 .enumerate()
                 .for_each_init(Vec::new, |scratch, (task, dst)| {
-                    let first = task * per_task;
-                    let acts = &x[first * k..(first + dst.len() / rows) * k];
+                    let span = task * per_task * k..(task * per_task + dst.len() / rows) * k;
+                    let acts = Acts {
+                        x: &x[span.clone()],
+                        columns: columns.get(span).unwrap_or_default(),
+                    };
                     self.float_rows(kernel, format, 0..rows, acts, scratch, |i, r, v| {
                         dst[i * rows + r] = v
                     });
                 });
         }
         out
+    }
+
+    /// The [`bf16_least_exponent`] of this BF16 matrix's weights.
+    fn weights_exponent(&self) -> Option<i32> {
+        // Pieces of 1 MiB (an even number of bytes, so no value is cut) shared by the threads.
+        let pieces: Vec<Option<i32>> = self
+            .data
+            .par_chunks(1 << 20)
+            .map(|c| {
+                bf16_least_exponent(c.chunks_exact(2).map(|b| u16::from_le_bytes([b[0], b[1]])))
+            })
+            .collect();
+        pieces
+            .into_iter()
+            .try_fold(i32::MAX, |least, e| e.map(|e| least.min(e)))
     }
 
     /// Weight rows `range` against every row of `acts`, each result handed to
@@ -367,30 +654,34 @@ impl QuantMatrix {
         kernel: FloatKernel,
         format: FloatFormat,
         range: std::ops::Range<usize>,
-        acts: &[f32],
+        acts: Acts<'_>,
         scratch: &mut Vec<f32>,
         mut put: impl FnMut(usize, usize, f32),
     ) {
         let k = self.cols;
-        let m = acts.len() / k.max(1);
+        let m = acts.x.len() / k.max(1);
         if m == 1 {
             // One activation row: the weights stream once, read in their encoding.
             self.prefetch_rows(range.start, range.start + 4, range.end);
             for r in range.clone() {
                 self.prefetch_rows(r + 4, r + 5, range.end);
-                put(0, r, kernel.dot(format, self.weight_row(r), acts));
+                put(0, r, kernel.dot(format, self.weight_row(r), acts.x));
             }
             return;
         }
         let quads = range.start + range.len() / 4 * 4;
         let scratch = aligned(scratch, 4 * k);
         let mut tiles = [[0f32; 4]; TILE_ROWS];
+        let fours = m / 4 * 4;
         for r in (range.start..quads).step_by(4) {
-            for (j, w) in scratch.chunks_exact_mut(k).enumerate() {
-                kernel.widen(format, self.weight_row(r + j), w);
+            let raw: [&[u8]; 4] = std::array::from_fn(|j| self.weight_row(r + j));
+            let bf16 = kernel.reads_bf16(format);
+            if !bf16 {
+                for (j, w) in scratch.chunks_exact_mut(k).enumerate() {
+                    kernel.widen(format, raw[j], w);
+                }
             }
             let w: [&[f32]; 4] = std::array::from_fn(|j| &scratch[j * k..(j + 1) * k]);
-            let fours = m / 4 * 4;
             // The next group's rows, fetched a share per tile while these compute (the
             // hardware prefetcher alone leaves the widening waiting on memory).
             let next = self.rows_bytes(r + 4, (r + 8).min(quads));
@@ -398,12 +689,23 @@ impl QuantMatrix {
             let mut ahead = next.chunks(next.len().div_ceil(calls).max(1));
             for i in (0..fours).step_by(TILE_ROWS) {
                 let n = TILE_ROWS.min(fours - i);
-                let mut x: [&[f32]; TILE_ROWS] = [&[]; TILE_ROWS];
-                for (x, row) in x.iter_mut().zip(acts[i * k..(i + n) * k].chunks_exact(k)) {
-                    *x = row;
-                }
                 let ahead = ahead.next().unwrap_or_default();
-                kernel.tile(format, w, &x[..n], ahead, &mut tiles[..n]);
+                if bf16 {
+                    let mut x: [&[u16]; TILE_ROWS] = [&[]; TILE_ROWS];
+                    for (x, row) in x
+                        .iter_mut()
+                        .zip(acts.columns[i * k..(i + n) * k].chunks_exact(k))
+                    {
+                        *x = row;
+                    }
+                    kernel.tile_bf16(raw, &x[..n], ahead, &mut tiles[..n]);
+                } else {
+                    let mut x: [&[f32]; TILE_ROWS] = [&[]; TILE_ROWS];
+                    for (x, row) in x.iter_mut().zip(acts.x[i * k..(i + n) * k].chunks_exact(k)) {
+                        *x = row;
+                    }
+                    kernel.tile(format, w, &x[..n], ahead, &mut tiles[..n]);
+                }
                 for (a, v) in tiles[..n].iter().enumerate() {
                     for (j, &v) in v.iter().enumerate() {
                         put(i + a, r + j, v);
@@ -411,16 +713,30 @@ impl QuantMatrix {
                 }
             }
             for i in fours..m {
-                let v = kernel.quad(format, w, &acts[i * k..(i + 1) * k]);
+                let x = &acts.x[i * k..(i + 1) * k];
+                let v = if bf16 {
+                    raw.map(|w| kernel.dot(format, w, x))
+                } else {
+                    kernel.quad(format, w, x)
+                };
                 for (j, v) in v.into_iter().enumerate() {
                     put(i, r + j, v);
                 }
             }
         }
         for r in quads..range.end {
-            for (i, x) in acts.chunks_exact(k).enumerate() {
+            for (i, x) in acts.x.chunks_exact(k).enumerate() {
                 put(i, r, kernel.dot(format, self.weight_row(r), x));
             }
         }
     }
+}
+
+/// A task's activation rows as the kernels read them.
+#[derive(Clone, Copy)]
+struct Acts<'a> {
+    /// As [`FloatFormat::activations`] gives them.
+    x: &'a [f32],
+    /// As BF16 in column order, for the `vdpbf16ps` tiles (empty otherwise).
+    columns: &'a [u16],
 }

@@ -16,7 +16,7 @@
 //! [`crate::cpu`]'s tokens.
 
 use std::ops::{Deref, Range};
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 
 use half::f16;
 use rayon::prelude::*;
@@ -182,6 +182,8 @@ pub struct QuantMatrix {
     rows: usize,
     cols: usize,
     data: Bytes,
+    /// BF16 weights' [`float::bf16_least_exponent`], found at the first product that asks.
+    bf16_exponent: OnceLock<Option<i32>>,
 }
 
 /// Where a matrix's GGUF bytes live.
@@ -275,6 +277,7 @@ impl QuantMatrix {
             rows,
             cols,
             data: Bytes::Own(data),
+            bf16_exponent: OnceLock::new(),
         })
     }
 
@@ -293,6 +296,7 @@ impl QuantMatrix {
             rows: parts.iter().map(|p| p.rows).sum(),
             cols: first.cols,
             data: Bytes::Own(parts.iter().flat_map(|p| p.data.iter().copied()).collect()),
+            bf16_exponent: OnceLock::new(),
         })
     }
 
@@ -308,6 +312,7 @@ impl QuantMatrix {
             rows: rows.len(),
             cols: self.cols,
             data: Bytes::Own(self.data[rows.start * stride..rows.end * stride].to_vec()),
+            bf16_exponent: OnceLock::new(),
         })
     }
 

@@ -546,6 +546,11 @@ fn float_kernels() -> Vec<(&'static str, float::FloatKernel)> {
                 .avx512()
                 .map(|c| ("avx512", float::FloatKernel::Avx512(c))),
         );
+        kernels.extend(
+            features
+                .avx512_bf16()
+                .map(|c| ("avx512-bf16", float::FloatKernel::Avx512Bf16(c))),
+        );
     }
     let names: Vec<&str> = kernels.iter().map(|(n, _)| *n).collect();
     eprintln!("float kernels checked on this CPU: {}", names.join(", "));
@@ -591,17 +596,25 @@ fn float_row(format: FloatFormat, n: usize, salt: usize) -> (Vec<u8>, Vec<f32>) 
 fn float_kernels_match_the_portable_code_bit_for_bit() {
     let kernels = float_kernels();
     for format in [FloatFormat::F32, FloatFormat::F16, FloatFormat::BF16] {
-        for n in [1, 63, 64, 100, 576, 1000] {
-            let rows: Vec<(Vec<u8>, Vec<f32>)> = (0..4).map(|s| float_row(format, n, s)).collect();
+        for n in [1, 63, 64, 100, 128, 200, 576, 1000] {
+            let rows: Vec<(Vec<u8>, Vec<f32>)> = (0..4)
+                .map(|s| {
+                    // The widened rows in the order the kernels read them (BF16: pair order).
+                    let (bytes, _) = float_row(format, n, s);
+                    let mut paired = vec![0.0; n];
+                    format.widen_paired(&bytes, &mut paired);
+                    (bytes, paired)
+                })
+                .collect();
             // Activations with f16 ties (odd multiples of 2^-11 near 1) and large values.
-            let x: Vec<f32> = (0..n)
+            let raw_x: Vec<f32> = (0..n)
                 .map(|i| match i % 9 {
                     0 => 1.0 + (2 * (i % 50) + 1) as f32 * 2f32.powi(-11),
                     1 => -7.0e3,
                     _ => ((i * 37 % 101) as f32 - 50.0) * 0.013,
                 })
                 .collect();
-            let x = format.activations(&x);
+            let x = format.activations(&raw_x);
             let want: Vec<u32> = rows
                 .iter()
                 .map(|(w, _)| float::dot_portable(format, w, &x).to_bits())
@@ -659,8 +672,45 @@ fn float_kernels_match_the_portable_code_bit_for_bit() {
                     let got = tile[a].map(f32::to_bits).to_vec();
                     assert_eq!(got, want, "{format:?} {n}, {tier} tile row {a}");
                 }
+                if kernel.reads_bf16(format) {
+                    assert_bf16_tile(*kernel, &rows, &raw_x);
+                }
             }
         }
+    }
+}
+
+/// The `vdpbf16ps` tile over BF16 weight `rows` (as stored) and two register tiles of
+/// activation rows made from `raw_x` gives every pair the portable dot product's bits.
+fn assert_bf16_tile(kernel: float::FloatKernel, rows: &[(Vec<u8>, Vec<f32>)], raw_x: &[f32]) {
+    let format = FloatFormat::BF16;
+    let n = raw_x.len();
+    let acts: Vec<Vec<f32>> = (0..4)
+        .map(|s| {
+            let scaled: Vec<f32> = raw_x.iter().map(|v| v * (1.0 + s as f32 * 0.3)).collect();
+            format.activations(&scaled).into_owned()
+        })
+        .collect();
+    let columns: Vec<Vec<u16>> = acts
+        .iter()
+        .map(|a| {
+            let mut c = vec![0; n];
+            float::bf16_columns(a, &mut c);
+            c
+        })
+        .collect();
+    let order = [0, 1, 2, 3, 3, 2, 1, 0];
+    let x: Vec<&[u16]> = order.iter().map(|&i| &columns[i][..]).collect();
+    let w: [&[u8]; 4] = [0, 1, 2, 3].map(|r| &rows[r].0[..]);
+    let mut tile = [[0f32; 4]; 8];
+    kernel.tile_bf16(w, &x, &[], &mut tile);
+    for (a, got) in tile.iter().enumerate() {
+        let want = w.map(|w| float::dot_portable(format, w, &acts[order[a]]).to_bits());
+        assert_eq!(
+            got.map(f32::to_bits),
+            want,
+            "{n} values, vdpbf16ps tile row {a}"
+        );
     }
 }
 
@@ -691,6 +741,64 @@ fn float_matrices_give_every_row_its_single_row_result_in_any_batch() {
 }
 
 #[test]
+fn bf16_least_exponents_find_what_vdpbf16ps_would_flush() {
+    let bits = |v: &[f32]| {
+        v.iter()
+            .map(|v| half::bf16::from_f32(*v).to_bits())
+            .collect::<Vec<_>>()
+    };
+    let least = |v: &[f32]| float::bf16_least_exponent(bits(v).into_iter());
+    assert_eq!(least(&[1.0, -3.0, 0.0, -0.0]), Some(0));
+    assert_eq!(least(&[0.5, 2.0e-3]), Some(-9));
+    assert_eq!(least(&[0.0, -0.0]), Some(i32::MAX));
+    assert_eq!(least(&[1.0, 1.0e-39]), None, "a subnormal");
+    assert_eq!(least(&[1.0, f32::INFINITY]), None);
+    assert_eq!(least(&[f32::NAN]), None);
+    assert!(float::pairs_exact(Some(-56), Some(-56)));
+    assert!(!float::pairs_exact(Some(-57), Some(-56)));
+    assert!(float::pairs_exact(Some(i32::MAX), Some(-100)));
+    assert!(!float::pairs_exact(None, Some(0)));
+}
+
+#[test]
+fn bf16_products_keep_their_bits_where_vdpbf16ps_would_flush_to_zero() {
+    // Products of 2^-60 by 2^-70 are subnormal f32 (vdpbf16ps makes them 0); a subnormal
+    // weight and a subnormal activation are read as 0 by it. Every tier must still give the
+    // multiply-adds' bits, at one activation row and in tiles.
+    let (rows, cols) = (8, 200);
+    let mut w: Vec<f32> = (0..rows * cols)
+        .map(|i| 2f32.powi(-60) * (1.0 + (i % 7) as f32 / 8.0))
+        .collect();
+    w[3] = f32::from_bits(1 << 16); // the least BF16 subnormal
+    let bytes: Vec<u8> = w
+        .iter()
+        .flat_map(|v| half::bf16::from_f32(*v).to_le_bytes())
+        .collect();
+    let mat = QuantMatrix::from_gguf(WeightFormat::Float(FloatFormat::BF16), rows, cols, &bytes)
+        .expect("sizes");
+    for m in [1, 8] {
+        let mut x: Vec<f32> = (0..m * cols)
+            .map(|i| 2f32.powi(-70) * (1.0 + (i % 5) as f32 / 4.0))
+            .collect();
+        x[1] = 1.0e-39;
+        let out = mat.matmul(&x);
+        for (i, row) in x.chunks_exact(cols).enumerate() {
+            let acts = FloatFormat::BF16.activations(row);
+            for (r, w) in bytes.chunks_exact(2 * cols).enumerate() {
+                let want = float::dot_portable(FloatFormat::BF16, w, &acts);
+                assert!(want != 0.0, "the sums are subnormal, not zero");
+                let got = out[i * rows + r];
+                assert_eq!(
+                    got.to_bits(),
+                    want.to_bits(),
+                    "batch of {m}, row {i}, output {r}"
+                );
+            }
+        }
+    }
+}
+
+#[test]
 fn float_weights_compute_what_ggml_computes_bit_for_bit() {
     let kernels = float_kernels();
     for (format, name) in [
@@ -707,14 +815,22 @@ fn float_weights_compute_what_ggml_computes_bit_for_bit() {
                 .expect("sizes");
             let back = ggml::assert_decodes(&m, row, &format!("{name} row {r}"));
             if format == FloatFormat::BF16 {
-                // ggml rounds the activations to BF16 as well; ours stay f32, so the
-                // product is the F32 product of the exactly widened weights.
-                let f32_bytes: Vec<u8> = back.iter().flat_map(|v| v.to_le_bytes()).collect();
-                let want = float::dot_portable(FloatFormat::F32, &f32_bytes, &row.x);
-                assert_eq!(
-                    m.matmul(&row.x)[0].to_bits(),
-                    want.to_bits(),
-                    "{name} row {r}"
+                // The activations are rounded to BF16 as ggml rounds them; the products are
+                // added in the pair order (ggml's vector dot and llamafile's sgemm each have
+                // orders of their own), so the sums agree with ggml's to rounding, not bits.
+                let acts = format.activations(&row.x);
+                let mut columns = vec![0u16; n];
+                float::bf16_columns(&acts, &mut columns);
+                let bytes: Vec<u8> = columns.iter().flat_map(|b| b.to_le_bytes()).collect();
+                assert_eq!(bytes, row.activations, "{name} row {r}: activations");
+                let want = float::dot_portable(format, &row.weights, &acts);
+                let got = m.matmul(&row.x)[0];
+                assert_eq!(got.to_bits(), want.to_bits(), "{name} row {r}");
+                let scale: f32 = back.iter().zip(&row.x).map(|(w, x)| (w * x).abs()).sum();
+                assert!(
+                    (got - row.dot).abs() <= 1e-5 * scale,
+                    "{name} row {r}: {got} vs ggml's {}",
+                    row.dot
                 );
                 continue;
             }

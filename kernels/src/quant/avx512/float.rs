@@ -5,7 +5,7 @@
 use std::arch::x86_64::*;
 
 use super::super::float::{
-    finish, fold16, shares, tile_columns, FloatFormat, LANES, TILE_BLOCK, TILE_ROWS,
+    finish, fold16, shares, tile_columns, FloatFormat, LANES, PAIR_BLOCK, TILE_BLOCK, TILE_ROWS,
 };
 use crate::cpu::Avx512;
 
@@ -15,7 +15,7 @@ use crate::cpu::Avx512;
 /// `w` must hold sixteen values of `format` from value `i` on.
 #[inline]
 #[target_feature(enable = "avx512f")]
-unsafe fn load(format: FloatFormat, w: *const u8, i: usize) -> __m512 {
+pub(super) unsafe fn load(format: FloatFormat, w: *const u8, i: usize) -> __m512 {
     // SAFETY: the caller guarantees sixteen readable values at `i`.
     unsafe {
         match format {
@@ -54,11 +54,56 @@ unsafe fn widen_avx512(format: FloatFormat, row: &[u8], out: &mut [f32]) {
     }
 }
 
+/// The odd and the even BF16 values of the sixteen column pairs at `w` (32 values), widened
+/// exactly: the pair order's two halves of sixteen lanes.
+///
+/// # Safety
+/// `w` must hold 32 BF16 values.
+#[inline]
+#[target_feature(enable = "avx512f")]
+pub(super) unsafe fn load_pairs(w: *const u8) -> (__m512, __m512) {
+    // SAFETY: the caller guarantees 64 readable bytes.
+    let v = unsafe { _mm512_loadu_si512(w.cast()) };
+    let odd = _mm512_and_si512(v, _mm512_set1_epi32(0xffff_0000_u32 as i32));
+    let even = _mm512_slli_epi32::<16>(v);
+    (_mm512_castsi512_ps(odd), _mm512_castsi512_ps(even))
+}
+
+/// A BF16 row's whole pair-order blocks (`out.len()` values, a multiple of
+/// [`PAIR_BLOCK`]) widened exactly into `out` in pair order.
+pub(crate) fn widen_paired(cpu: Avx512, row: &[u8], out: &mut [f32]) {
+    let _ = cpu;
+    assert!(
+        out.len().is_multiple_of(PAIR_BLOCK) && row.len() >= 2 * out.len(),
+        "whole pair-order blocks"
+    );
+    // SAFETY: `cpu` proves AVX-512 F; the row holds `out.len()` BF16 values.
+    unsafe { widen_paired_avx512(row, out) }
+}
+
+/// # Safety
+/// `row` must hold `out.len()` BF16 values, a multiple of [`PAIR_BLOCK`].
+#[target_feature(enable = "avx512f")]
+unsafe fn widen_paired_avx512(row: &[u8], out: &mut [f32]) {
+    let (w, o) = (row.as_ptr(), out.as_mut_ptr());
+    for b in (0..out.len()).step_by(PAIR_BLOCK) {
+        for j in 0..4 {
+            // SAFETY: columns `b + 32 j .. b + 32 j + 32` are in the row, and both halves'
+            // lanes `b + 16 j ..` and `b + 64 + 16 j ..` in `out`.
+            unsafe {
+                let (odd, even) = load_pairs(w.add(2 * (b + 32 * j)));
+                _mm512_storeu_ps(o.add(b + 16 * j), odd);
+                _mm512_storeu_ps(o.add(b + LANES + 16 * j), even);
+            }
+        }
+    }
+}
+
 /// The four accumulators folded as ggml's `GGML_F32x16_REDUCE`: `(a0 + a2) + (a1 + a3)`,
 /// then the 16 lanes by halves.
 #[inline]
 #[target_feature(enable = "avx512f")]
-fn fold(acc: [__m512; 4]) -> f32 {
+pub(super) fn fold(acc: [__m512; 4]) -> f32 {
     let x0 = _mm512_add_ps(acc[0], acc[2]);
     let x1 = _mm512_add_ps(acc[1], acc[3]);
     let mut lanes = [0f32; 16];
@@ -87,6 +132,20 @@ unsafe fn dot_avx512(format: FloatFormat, w: &[u8], x: &[f32]) -> f32 {
     let mut acc = [_mm512_setzero_ps(); 4];
     let (wp, xp) = (w.as_ptr(), x.as_ptr());
     let mut i = 0;
+    if format == FloatFormat::BF16 {
+        // Whole pair-order blocks: each lane's odd column, then its even one.
+        while i + PAIR_BLOCK <= k {
+            for (j, a) in acc.iter_mut().enumerate() {
+                // SAFETY: columns `i .. i + 128` of both rows.
+                unsafe {
+                    let (odd, even) = load_pairs(wp.add(2 * (i + 32 * j)));
+                    *a = _mm512_fmadd_ps(odd, _mm512_loadu_ps(xp.add(i + 16 * j)), *a);
+                    *a = _mm512_fmadd_ps(even, _mm512_loadu_ps(xp.add(i + LANES + 16 * j)), *a);
+                }
+            }
+            i += PAIR_BLOCK;
+        }
+    }
     while i < whole {
         for (j, a) in acc.iter_mut().enumerate() {
             // SAFETY: `i + 16 j + 16 <= whole <= k` values of both rows.
@@ -251,7 +310,7 @@ unsafe fn tile_avx512(
 /// halves of two outputs' sums side by side in one register, then of four.
 #[inline]
 #[target_feature(enable = "avx512f")]
-fn fold4(acc: [[__m512; 4]; 4]) -> [f32; 4] {
+pub(super) fn fold4(acc: [[__m512; 4]; 4]) -> [f32; 4] {
     let x = acc.map(|a| _mm512_add_ps(_mm512_add_ps(a[0], a[2]), _mm512_add_ps(a[1], a[3])));
     // Lanes 0..8 plus lanes 8..16 of outputs (0, 1) and (2, 3).
     let halves = |p: __m512, q: __m512| {

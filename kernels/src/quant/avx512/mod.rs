@@ -3,6 +3,7 @@
 //! and, in [`wide`], the kernel for batches. Every entry point takes the
 //! [`Avx512Vnni`] token.
 
+pub(super) mod bf16;
 pub(super) mod float;
 pub(super) mod wide;
 

@@ -1,0 +1,196 @@
+//! BF16 weights with AVX-512 BF16: `vdpbf16ps` multiplies 32 weights by 32 activations
+//! (both BF16, as stored) and adds each adjacent pair's products to one of 16 f32 lanes,
+//! the odd column's first — the pair-order arithmetic of [`super::super::float`], which
+//! the other tiers run as multiply-adds on widened values. The weights need no widening, and
+//! one instruction does the work of two multiply-adds. The instruction flushes subnormal
+//! inputs and results to zero, so callers use it only where
+//! [`super::super::float::pairs_exact`] says none can arise.
+
+use std::arch::x86_64::*;
+
+use super::super::float::{finish, shares, FloatFormat, LANES, PAIR_BLOCK, TILE_BLOCK, TILE_ROWS};
+use super::float::{fold, fold4, load};
+use crate::cpu::Avx512Bf16;
+
+/// 32 BF16 values as `vdpbf16ps` takes them.
+#[inline]
+#[target_feature(enable = "avx512f")]
+fn bh(v: __m512i) -> __m512bh {
+    // SAFETY: both are 512-bit vectors and every bit pattern is a valid value of either.
+    unsafe { std::mem::transmute::<__m512i, __m512bh>(v) }
+}
+
+/// The BF16 bits of sixteen pairs given in pair order (their odd values at `odd`, their even
+/// values at `even`, each exactly a BF16 value widened), put back into column order.
+///
+/// # Safety
+/// `odd` and `even` must each hold sixteen f32.
+#[inline]
+#[target_feature(enable = "avx512f")]
+unsafe fn columns(odd: *const f32, even: *const f32) -> __m512bh {
+    // SAFETY: the caller guarantees sixteen readable values at each.
+    let (o, e) = unsafe {
+        (
+            _mm512_castps_si512(_mm512_loadu_ps(odd)),
+            _mm512_castps_si512(_mm512_loadu_ps(even)),
+        )
+    };
+    let high = _mm512_and_si512(o, _mm512_set1_epi32(0xffff_0000_u32 as i32));
+    bh(_mm512_or_si512(high, _mm512_srli_epi32::<16>(e)))
+}
+
+/// BF16 weight row `w` (`x.len()` values) against activation row `x` in pair order (as
+/// [`FloatFormat::activations`] gives it).
+pub(crate) fn dot(cpu: Avx512Bf16, w: &[u8], x: &[f32]) -> f32 {
+    let _ = cpu;
+    assert!(w.len() >= 2 * x.len(), "weight row shorter than its input");
+    // SAFETY: `cpu` proves AVX-512 F and BF16; the row holds `x.len()` values.
+    unsafe { dot_bf16(w, x) }
+}
+
+/// # Safety
+/// `w` must hold `x.len()` BF16 values.
+#[target_feature(enable = "avx512f,avx512bf16")]
+unsafe fn dot_bf16(w: &[u8], x: &[f32]) -> f32 {
+    let k = x.len();
+    let paired = k / PAIR_BLOCK * PAIR_BLOCK;
+    let whole = k / LANES * LANES;
+    let mut acc = [_mm512_setzero_ps(); 4];
+    let (wp, xp) = (w.as_ptr(), x.as_ptr());
+    let mut i = 0;
+    while i < paired {
+        for (j, a) in acc.iter_mut().enumerate() {
+            // SAFETY: columns `i .. i + 128` of both rows; pair order puts the odd values of
+            // columns `i + 32 j ..` at `i + 16 j` and the even ones 64 further.
+            unsafe {
+                let wv = bh(_mm512_loadu_si512(wp.add(2 * (i + 32 * j)).cast()));
+                let xv = columns(xp.add(i + 16 * j), xp.add(i + LANES + 16 * j));
+                *a = _mm512_dpbf16_ps(*a, wv, xv);
+            }
+        }
+        i += PAIR_BLOCK;
+    }
+    if i < whole {
+        // One step of 64 columns past the last whole block: column order, one each.
+        for (j, a) in acc.iter_mut().enumerate() {
+            // SAFETY: columns `i .. i + 64 <= k` of both rows.
+            unsafe {
+                let wv = load(FloatFormat::BF16, wp, i + 16 * j);
+                *a = _mm512_fmadd_ps(wv, _mm512_loadu_ps(xp.add(i + 16 * j)), *a);
+            }
+        }
+    }
+    let tail = (whole..k).map(|i| (FloatFormat::BF16.at(w, i), x[i]));
+    finish(FloatFormat::BF16, fold(acc), tail)
+}
+
+/// Four BF16 weight rows (as stored) against activation rows `x` (BF16 bits in column
+/// order, a multiple of four rows, at most [`TILE_ROWS`]): `out[a][r]`, each [`dot`]'s
+/// result. As the f32 tile does, the column loop runs once per quarter of each block's
+/// lanes for four activation rows at a time, a block of columns at a time, with sixteen
+/// accumulators; each weight and activation vector is loaded once for four products.
+pub(crate) fn tile(
+    cpu: Avx512Bf16,
+    w: [&[u8]; 4],
+    x: &[&[u16]],
+    ahead: &[u8],
+    out: &mut [[f32; 4]],
+) {
+    let _ = cpu;
+    let k = x.first().map_or(0, |x| x.len());
+    assert!(
+        x.len().is_multiple_of(4) && x.len() <= TILE_ROWS && out.len() >= x.len(),
+        "a tile takes activation rows 4 at a time, at most {TILE_ROWS}"
+    );
+    assert!(
+        w.iter().all(|w| w.len() >= 2 * k) && x.iter().all(|x| x.len() == k),
+        "rows shorter than the product's input"
+    );
+    // SAFETY: `cpu` proves AVX-512 F and BF16; every row holds `k` values.
+    unsafe { tile_bf16(w, x, ahead, out) }
+}
+
+/// # Safety
+/// Every row of `w` and `x` must hold `x[0].len()` BF16 values; `x` holds a multiple of
+/// four rows, at most [`TILE_ROWS`].
+#[target_feature(enable = "avx512f,avx512bf16")]
+unsafe fn tile_bf16(w: [&[u8]; 4], x: &[&[u16]], ahead: &[u8], out: &mut [[f32; 4]]) {
+    let k = x[0].len();
+    let paired = k / PAIR_BLOCK * PAIR_BLOCK;
+    let whole = k / LANES * LANES;
+    let wp = [w[0].as_ptr(), w[1].as_ptr(), w[2].as_ptr(), w[3].as_ptr()];
+    let tiles = x.len() / 4;
+    // `part[t][q][a][r]`: quarter `q`'s partial sums of activation row `4t + a` by weight row
+    // `r`, carried from one block of columns to the next.
+    let mut part = [[[[_mm512_setzero_ps(); 4]; 4]; 4]; TILE_ROWS / 4];
+    let passes = 4 * tiles * paired.div_ceil(TILE_BLOCK).max(1);
+    let mut ahead = shares(ahead, passes);
+    let mut from = 0;
+    while from < paired {
+        let to = (from + TILE_BLOCK).min(paired);
+        for (t, part) in part.iter_mut().take(tiles).enumerate() {
+            let xp: [*const u16; 4] = std::array::from_fn(|a| x[4 * t + a].as_ptr());
+            for (q, part) in part.iter_mut().enumerate() {
+                for line in ahead.next().unwrap_or_default().chunks(64) {
+                    _mm_prefetch::<_MM_HINT_T0>(line.as_ptr().cast());
+                }
+                let mut acc = *part;
+                let mut i = from + 32 * q;
+                while i < to {
+                    // SAFETY: columns `i .. i + 32 <= to <= k` of every row.
+                    unsafe {
+                        let wv = [
+                            bh(_mm512_loadu_si512(wp[0].add(2 * i).cast())),
+                            bh(_mm512_loadu_si512(wp[1].add(2 * i).cast())),
+                            bh(_mm512_loadu_si512(wp[2].add(2 * i).cast())),
+                            bh(_mm512_loadu_si512(wp[3].add(2 * i).cast())),
+                        ];
+                        for a in 0..4 {
+                            let xv = bh(_mm512_loadu_si512(xp[a].add(i).cast()));
+                            for r in 0..4 {
+                                acc[a][r] = _mm512_dpbf16_ps(acc[a][r], wv[r], xv);
+                            }
+                        }
+                    }
+                    i += PAIR_BLOCK;
+                }
+                *part = acc;
+            }
+        }
+        from = to;
+    }
+    if paired < whole {
+        // One step of 64 columns past the last whole block, in column order.
+        for (t, part) in part.iter_mut().take(tiles).enumerate() {
+            for (q, part) in part.iter_mut().enumerate() {
+                let i = paired + 16 * q;
+                for a in 0..4 {
+                    // SAFETY: columns `i .. i + 16 <= whole <= k` of every row; activation
+                    // bits are BF16's little-endian bytes.
+                    unsafe {
+                        let xv = load(FloatFormat::BF16, x[4 * t + a].as_ptr().cast(), i);
+                        for r in 0..4 {
+                            let wv = load(FloatFormat::BF16, wp[r], i);
+                            part[a][r] = _mm512_fmadd_ps(wv, xv, part[a][r]);
+                        }
+                    }
+                }
+            }
+        }
+    }
+    for (t, part) in part.iter().take(tiles).enumerate() {
+        for a in 0..4 {
+            let xa = x[4 * t + a];
+            let folded = fold4(std::array::from_fn(|r| {
+                [part[0][a][r], part[1][a][r], part[2][a][r], part[3][a][r]]
+            }));
+            for (r, folded) in folded.into_iter().enumerate() {
+                let tail = (whole..k).map(|i| {
+                    let v = f32::from_bits(u32::from(xa[i]) << 16);
+                    (FloatFormat::BF16.at(w[r], i), v)
+                });
+                out[4 * t + a][r] = finish(FloatFormat::BF16, folded, tail);
+            }
+        }
+    }
+}

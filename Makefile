@@ -96,7 +96,7 @@ bench-peer: model
 	scripts/bench-peer.sh
 	scripts/bench-formats.sh
 
-## bench-formats: Ferrite beside llama-server on a random ~1B model in Q4_K_M, Q8_0 and F16
+## bench-formats: Ferrite beside llama-server on a random ~1B model in Q4_K_M, Q8_0, F16 and BF16
 ## (short prompts at 1 and 16, ~1000-token prompts at 1); also run by bench-peer
 bench-formats: model
 	$(CARGO) build --release -p ferrite-engine -p ferrite-bench

@@ -12,7 +12,7 @@ set -euo pipefail
 source "$(dirname "$0")/bench-lib.sh"
 source "$(dirname "$0")/llamacpp-lib.sh"
 need_llamacpp llama-server llama-quantize
-FORMATS="${FORMATS:-Q4_K_M Q8_0 F16}"
+FORMATS="${FORMATS:-Q4_K_M Q8_0 F16 BF16}"
 MODELS="${XDG_CACHE_HOME:-$HOME/.cache}/ferrite/models"; mkdir -p "$MODELS"
 LOGS="$ROOT/target/bench"; mkdir -p "$LOGS"
 ENGINE="$ROOT/target/release/ferrite-engine"

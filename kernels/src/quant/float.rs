@@ -51,23 +51,61 @@ pub(crate) const PAIR_BLOCK: usize = 2 * LANES;
 /// smallest normal f32 `2^-126`, so nothing it flushes to zero can arise.
 const PAIRS_EXACT_FROM: i32 = -112;
 
-/// The least binary exponent among the nonzero BF16 values `bits` (`i32::MAX` when all are
-/// zero), or `None` when one is subnormal, infinite or NaN.
-pub(crate) fn bf16_least_exponent(bits: impl Iterator<Item = u16>) -> Option<i32> {
-    // Branch-free, so it vectorises: a whole model's weights pass through it once.
-    let (least, bad) = bits.fold((0xffu16, false), |(least, bad), b| {
-        let exp = (b >> 7) & 0xff;
-        let zero = b & 0x7fff == 0;
-        let odd = exp == 0xff || (exp == 0 && !zero);
-        (least.min(if zero { 0xff } else { exp }), bad | odd)
-    });
-    (!bad).then(|| {
+/// A BF16 value's exponent field (`0xff` for a zero, which bounds nothing) and whether it is
+/// subnormal, infinite or NaN.
+#[inline(always)]
+fn exponent_field(b: u16) -> (u16, bool) {
+    let exp = (b >> 7) & 0xff;
+    let zero = b & 0x7fff == 0;
+    (
+        if zero { 0xff } else { exp },
+        exp == 0xff || (exp == 0 && !zero),
+    )
+}
+
+/// The least exponent field found and whether any value was odd, as an exponent.
+fn least_exponent(least: u16, odd: bool) -> Option<i32> {
+    (!odd).then(|| {
         if least == 0xff {
             i32::MAX
         } else {
             i32::from(least) - 127
         }
     })
+}
+
+/// The least binary exponent among the nonzero BF16 values `bits` (`i32::MAX` when all are
+/// zero), or `None` when one is subnormal, infinite or NaN.
+pub(crate) fn bf16_least_exponent(bits: impl Iterator<Item = u16>) -> Option<i32> {
+    let (least, odd) = bits.fold((0xff, false), |(least, odd), b| {
+        let (e, o) = exponent_field(b);
+        (least.min(e), odd | o)
+    });
+    least_exponent(least, odd)
+}
+
+/// [`bf16_least_exponent`] of little-endian BF16 `bytes`, 32 lanes at a time so that it
+/// vectorises (a whole model's weights pass through it once, at memory speed).
+pub(crate) fn bf16_bytes_least_exponent(bytes: &[u8]) -> Option<i32> {
+    let mut least = [0xffu16; 32];
+    let mut odd = [false; 32];
+    let mut step = |c: &[u8]| {
+        for l in 0..32 {
+            let (e, o) = exponent_field(u16::from_le_bytes([c[2 * l], c[2 * l + 1]]));
+            least[l] = least[l].min(e);
+            odd[l] |= o;
+        }
+    };
+    let mut chunks = bytes.chunks_exact(64);
+    for c in &mut chunks {
+        step(c);
+    }
+    // The rest padded with zeros, which bound nothing.
+    let mut rest = [0u8; 64];
+    rest[..chunks.remainder().len()].copy_from_slice(chunks.remainder());
+    step(&rest);
+    let all = least.iter().copied().min().unwrap_or(0xff);
+    least_exponent(all, odd.iter().any(|&o| o))
 }
 
 /// Whether `vdpbf16ps` computes the pair-order arithmetic exactly for weights and activations
@@ -638,9 +676,7 @@ impl QuantMatrix {
         let pieces: Vec<Option<i32>> = self
             .data
             .par_chunks(1 << 20)
-            .map(|c| {
-                bf16_least_exponent(c.chunks_exact(2).map(|b| u16::from_le_bytes([b[0], b[1]])))
-            })
+            .map(bf16_bytes_least_exponent)
             .collect();
         pieces
             .into_iter()

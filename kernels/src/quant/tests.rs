@@ -754,6 +754,19 @@ fn bf16_least_exponents_find_what_vdpbf16ps_would_flush() {
     assert_eq!(least(&[1.0, 1.0e-39]), None, "a subnormal");
     assert_eq!(least(&[1.0, f32::INFINITY]), None);
     assert_eq!(least(&[f32::NAN]), None);
+    // The bytes version, over lengths that leave a remainder of the 32-value lanes.
+    for n in [0, 1, 31, 32, 33, 100] {
+        let v: Vec<f32> = (0..n).map(|i| (i as f32 - 40.0) * 0.37).collect();
+        let bytes: Vec<u8> = bits(&v).iter().flat_map(|b| b.to_le_bytes()).collect();
+        assert_eq!(
+            float::bf16_bytes_least_exponent(&bytes),
+            least(&v),
+            "{n} values"
+        );
+    }
+    let mut odd = vec![0u8; 130];
+    odd[128] = 1; // the least subnormal, in the remainder
+    assert_eq!(float::bf16_bytes_least_exponent(&odd), None);
     assert!(float::pairs_exact(Some(-56), Some(-56)));
     assert!(!float::pairs_exact(Some(-57), Some(-56)));
     assert!(float::pairs_exact(Some(i32::MAX), Some(-100)));

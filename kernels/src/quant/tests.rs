@@ -596,7 +596,7 @@ fn float_row(format: FloatFormat, n: usize, salt: usize) -> (Vec<u8>, Vec<f32>) 
 fn float_kernels_match_the_portable_code_bit_for_bit() {
     let kernels = float_kernels();
     for format in [FloatFormat::F32, FloatFormat::F16, FloatFormat::BF16] {
-        for n in [1, 63, 64, 100, 128, 200, 576, 1000] {
+        for n in [1, 63, 64, 100, 128, 200, 576, 1000, 2300] {
             let rows: Vec<(Vec<u8>, Vec<f32>)> = (0..4)
                 .map(|s| {
                     // The widened rows in the order the kernels read them (BF16: pair order).

@@ -8,9 +8,16 @@
 
 use std::arch::x86_64::*;
 
-use super::super::float::{finish, shares, FloatFormat, LANES, PAIR_BLOCK, TILE_BLOCK, TILE_ROWS};
+use super::super::float::{finish, shares, FloatFormat, LANES, PAIR_BLOCK, TILE_ROWS};
 use super::float::{fold, fold4, load};
 use crate::cpu::Avx512Bf16;
+
+/// Columns each of a tile's passes covers before the next activation rows' turn (a multiple
+/// of [`PAIR_BLOCK`]): the four weight rows' block, 16 KiB of BF16, stays in the L1 cache for
+/// all the tile's activation rows. Four times the f32 tiles' block, whose widened values take
+/// twice the bytes and half the columns a step: a pass's sixteen accumulators are loaded and
+/// stored once per sixteen steps, not once per four.
+const BLOCK: usize = 2048;
 
 /// 32 BF16 values as `vdpbf16ps` takes them.
 #[inline]
@@ -123,11 +130,11 @@ unsafe fn tile_bf16(w: [&[u8]; 4], x: &[&[u16]], ahead: &[u8], out: &mut [[f32; 
     // `part[t][q][a][r]`: quarter `q`'s partial sums of activation row `4t + a` by weight row
     // `r`, carried from one block of columns to the next.
     let mut part = [[[[_mm512_setzero_ps(); 4]; 4]; 4]; TILE_ROWS / 4];
-    let passes = 4 * tiles * paired.div_ceil(TILE_BLOCK).max(1);
+    let passes = 4 * tiles * paired.div_ceil(BLOCK).max(1);
     let mut ahead = shares(ahead, passes);
     let mut from = 0;
     while from < paired {
-        let to = (from + TILE_BLOCK).min(paired);
+        let to = (from + BLOCK).min(paired);
         for (t, part) in part.iter_mut().take(tiles).enumerate() {
             let xp: [*const u16; 4] = std::array::from_fn(|a| x[4 * t + a].as_ptr());
             for (q, part) in part.iter_mut().enumerate() {

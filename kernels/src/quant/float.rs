@@ -157,6 +157,28 @@ pub(crate) fn bf16_columns(paired: &[f32], out: &mut [u16]) {
     }
 }
 
+/// The `vdpbf16ps` tiles ([`FloatKernel::pair_tiles`]): BF16 weight rows as stored against
+/// activation rows as BF16 bits in column order.
+#[derive(Debug, Clone, Copy)]
+pub(crate) enum PairTiles {
+    /// AVX-512 BF16.
+    #[cfg(target_arch = "x86_64")]
+    Avx512Bf16(cpu::Avx512Bf16),
+}
+
+impl PairTiles {
+    /// Four BF16 weight rows against activation rows `x` (a multiple of four, at most
+    /// [`TILE_ROWS`]): `out[a][r]`, each [`FloatKernel::dot`]'s result. `ahead`'s cache lines
+    /// are fetched while it computes.
+    pub(crate) fn tile(self, w: [&[u8]; 4], x: &[&[u16]], ahead: &[u8], out: &mut [[f32; 4]]) {
+        let _ = (w, x, ahead, &out);
+        match self {
+            #[cfg(target_arch = "x86_64")]
+            PairTiles::Avx512Bf16(cpu) => super::avx512::bf16::tile(cpu, w, x, ahead, out),
+        }
+    }
+}
+
 /// A floating-point weight encoding.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum FloatFormat {
@@ -416,27 +438,17 @@ impl FloatKernel {
         }
     }
 
-    /// Whether this kernel's tiles read `format`'s weights as BF16 with `vdpbf16ps`
-    /// ([`FloatKernel::tile_bf16`]) rather than widened ([`FloatKernel::tile`]).
-    pub(crate) fn reads_bf16(self, format: FloatFormat) -> bool {
-        #[cfg(target_arch = "x86_64")]
-        if let FloatKernel::Avx512Bf16(_) = self {
-            return format == FloatFormat::BF16;
-        }
-        let _ = format;
-        false
-    }
-
-    /// Four BF16 weight rows (as stored) against activation rows `x` (BF16 bits in column
-    /// order, a multiple of four rows, at most [`TILE_ROWS`]) with `vdpbf16ps`: `out[a][r]`,
-    /// each [`FloatKernel::dot`]'s result. Only for a kernel that [`FloatKernel::reads_bf16`].
-    pub(crate) fn tile_bf16(self, w: [&[u8]; 4], x: &[&[u16]], ahead: &[u8], out: &mut [[f32; 4]]) {
+    /// The `vdpbf16ps` tiles, if this kernel multiplies `format`'s weights with them (read
+    /// as stored) rather than widened ([`FloatKernel::tile`]).
+    pub(crate) fn pair_tiles(self, format: FloatFormat) -> Option<PairTiles> {
         match self {
             #[cfg(target_arch = "x86_64")]
-            FloatKernel::Avx512Bf16(cpu) => super::avx512::bf16::tile(cpu, w, x, ahead, out),
+            FloatKernel::Avx512Bf16(cpu) if format == FloatFormat::BF16 => {
+                Some(PairTiles::Avx512Bf16(cpu))
+            }
             _ => {
-                let _ = (w, x, ahead, out);
-                unreachable!("only the vdpbf16ps tier reads BF16 tiles")
+                let _ = format;
+                None
             }
         }
     }
@@ -613,7 +625,7 @@ impl QuantMatrix {
             );
         }
         // The `vdpbf16ps` tiles read the activations as BF16 in column order.
-        let columns: Vec<u16> = if m > 1 && kernel.reads_bf16(format) {
+        let columns: Vec<u16> = if m > 1 && kernel.pair_tiles(format).is_some() {
             let mut cols = vec![0; x.len()];
             for (c, row) in cols
                 .chunks_exact_mut(self.cols)
@@ -711,8 +723,8 @@ impl QuantMatrix {
         let fours = m / 4 * 4;
         for r in (range.start..quads).step_by(4) {
             let raw: [&[u8]; 4] = std::array::from_fn(|j| self.weight_row(r + j));
-            let bf16 = kernel.reads_bf16(format);
-            if !bf16 {
+            let pairs = kernel.pair_tiles(format);
+            if pairs.is_none() {
                 for (j, w) in scratch.chunks_exact_mut(k).enumerate() {
                     kernel.widen(format, raw[j], w);
                 }
@@ -726,7 +738,7 @@ impl QuantMatrix {
             for i in (0..fours).step_by(TILE_ROWS) {
                 let n = TILE_ROWS.min(fours - i);
                 let ahead = ahead.next().unwrap_or_default();
-                if bf16 {
+                if let Some(pairs) = pairs {
                     let mut x: [&[u16]; TILE_ROWS] = [&[]; TILE_ROWS];
                     for (x, row) in x
                         .iter_mut()
@@ -734,7 +746,7 @@ impl QuantMatrix {
                     {
                         *x = row;
                     }
-                    kernel.tile_bf16(raw, &x[..n], ahead, &mut tiles[..n]);
+                    pairs.tile(raw, &x[..n], ahead, &mut tiles[..n]);
                 } else {
                     let mut x: [&[f32]; TILE_ROWS] = [&[]; TILE_ROWS];
                     for (x, row) in x.iter_mut().zip(acts.x[i * k..(i + n) * k].chunks_exact(k)) {
@@ -750,7 +762,7 @@ impl QuantMatrix {
             }
             for i in fours..m {
                 let x = &acts.x[i * k..(i + 1) * k];
-                let v = if bf16 {
+                let v = if pairs.is_some() {
                     raw.map(|w| kernel.dot(format, w, x))
                 } else {
                     kernel.quad(format, w, x)

@@ -672,8 +672,8 @@ fn float_kernels_match_the_portable_code_bit_for_bit() {
                     let got = tile[a].map(f32::to_bits).to_vec();
                     assert_eq!(got, want, "{format:?} {n}, {tier} tile row {a}");
                 }
-                if kernel.reads_bf16(format) {
-                    assert_bf16_tile(*kernel, &rows, &raw_x);
+                if let Some(pairs) = kernel.pair_tiles(format) {
+                    assert_bf16_tile(pairs, &rows, &raw_x);
                 }
             }
         }
@@ -682,7 +682,7 @@ fn float_kernels_match_the_portable_code_bit_for_bit() {
 
 /// The `vdpbf16ps` tile over BF16 weight `rows` (as stored) and two register tiles of
 /// activation rows made from `raw_x` gives every pair the portable dot product's bits.
-fn assert_bf16_tile(kernel: float::FloatKernel, rows: &[(Vec<u8>, Vec<f32>)], raw_x: &[f32]) {
+fn assert_bf16_tile(pairs: float::PairTiles, rows: &[(Vec<u8>, Vec<f32>)], raw_x: &[f32]) {
     let format = FloatFormat::BF16;
     let n = raw_x.len();
     let acts: Vec<Vec<f32>> = (0..4)
@@ -703,7 +703,7 @@ fn assert_bf16_tile(kernel: float::FloatKernel, rows: &[(Vec<u8>, Vec<f32>)], ra
     let x: Vec<&[u16]> = order.iter().map(|&i| &columns[i][..]).collect();
     let w: [&[u8]; 4] = [0, 1, 2, 3].map(|r| &rows[r].0[..]);
     let mut tile = [[0f32; 4]; 8];
-    kernel.tile_bf16(w, &x, &[], &mut tile);
+    pairs.tile(w, &x, &[], &mut tile);
     for (a, got) in tile.iter().enumerate() {
         let want = w.map(|w| float::dot_portable(format, w, &acts[order[a]]).to_bits());
         assert_eq!(

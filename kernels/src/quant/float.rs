@@ -40,6 +40,7 @@ pub(crate) const TILE_ROWS: usize = 16;
 /// of 64): the four weight rows' block (8 KiB of f32) stays in the L1 cache while all
 /// [`TILE_ROWS`] activation rows meet it, where whole widened rows of a 2048- to 8192-wide
 /// layer (32 to 128 KiB) would be fetched from L2 again for every few activation rows.
+#[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
 pub(crate) const TILE_BLOCK: usize = 512;
 
 /// Columns of one BF16 pair-order block: 64 pairs, one for each partial sum.
@@ -49,6 +50,7 @@ pub(crate) const PAIR_BLOCK: usize = 2 * LANES;
 /// `vdpbf16ps` to give the multiply-adds' bits: every product, and so every partial sum, is
 /// then a multiple of `2^(ew + ex - 14)` (eight significant bits each), at least the
 /// smallest normal f32 `2^-126`, so nothing it flushes to zero can arise.
+#[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
 const PAIRS_EXACT_FROM: i32 = -112;
 
 /// A BF16 value's exponent field (`0xff` for a zero, which bounds nothing) and whether it is
@@ -111,6 +113,7 @@ pub(crate) fn bf16_bytes_least_exponent(bytes: &[u8]) -> Option<i32> {
 /// Whether `vdpbf16ps` computes the pair-order arithmetic exactly for weights and activations
 /// with these [`bf16_least_exponent`]s: no subnormal input, and no product or partial sum
 /// below the smallest normal f32.
+#[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
 pub(crate) fn pairs_exact(weights: Option<i32>, activations: Option<i32>) -> bool {
     matches!((weights, activations), (Some(w), Some(x)) if w.saturating_add(x) >= PAIRS_EXACT_FROM)
 }
@@ -566,6 +569,7 @@ impl FloatKernel {
 
 /// Checks a tile's rows (`x` a multiple of `group` rows, at most [`TILE_ROWS`], as many
 /// outputs, every row as long as `x[0]`) and returns their length.
+#[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
 pub(crate) fn tile_columns(w: [&[f32]; 4], x: &[&[f32]], outputs: usize, group: usize) -> usize {
     let k = x.first().map_or(0, |x| x.len());
     assert!(
@@ -580,6 +584,7 @@ pub(crate) fn tile_columns(w: [&[f32]; 4], x: &[&[f32]], outputs: usize, group: 
 }
 
 /// `ahead` cut into one share of whole cache lines for each of a tile's `passes`.
+#[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
 pub(crate) fn shares(ahead: &[u8], passes: usize) -> std::slice::Chunks<'_, u8> {
     ahead.chunks(64 * ahead.len().div_ceil(64).div_ceil(passes.max(1)).max(1))
 }

@@ -129,6 +129,7 @@ pub(crate) enum Batched {
 
 impl Batched {
     /// Bytes of one block.
+    #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
     pub(crate) const fn block_bytes(self) -> usize {
         match self {
             Batched::Block(f) => f.block_bytes(),

@@ -245,12 +245,7 @@ impl FloatFormat {
     /// weights, as it is for F32.
     pub(crate) fn activations(self, x: &[f32]) -> Cow<'_, [f32]> {
         match self {
-            FloatFormat::F16 => {
-                let mut out = vec![0.0; x.len()];
-                self.activations_into(x, &mut out);
-                Cow::Owned(out)
-            }
-            FloatFormat::BF16 => {
+            FloatFormat::F16 | FloatFormat::BF16 => {
                 let mut out = vec![0.0; x.len()];
                 self.activations_into(x, &mut out);
                 Cow::Owned(out)
@@ -277,13 +272,20 @@ impl FloatFormat {
         }
     }
 
+    /// How many of a row's `k` columns lie in whole pair-order blocks (BF16), 0 for the
+    /// formats read in column order.
+    pub(crate) fn paired_columns(self, k: usize) -> usize {
+        if self == FloatFormat::BF16 {
+            k / PAIR_BLOCK * PAIR_BLOCK
+        } else {
+            0
+        }
+    }
+
     /// Weight row `row` widened exactly, in the order the kernels read it: pair order for
     /// BF16, column order otherwise. `out` is as long as the row.
     pub(crate) fn widen_paired(self, row: &[u8], out: &mut [f32]) {
-        if self != FloatFormat::BF16 {
-            return self.widen(row, out);
-        }
-        let whole = out.len() / PAIR_BLOCK * PAIR_BLOCK;
+        let whole = self.paired_columns(out.len());
         let mut block = [0f32; PAIR_BLOCK];
         for (b, o) in out[..whole].chunks_exact_mut(PAIR_BLOCK).enumerate() {
             self.widen(
@@ -338,11 +340,7 @@ pub(crate) fn dot_portable(format: FloatFormat, w: &[u8], x: &[f32]) -> f32 {
     let whole = k / LANES * LANES;
     let mut p = [0f32; LANES];
     let mut chunk = [0f32; PAIR_BLOCK];
-    let paired = if format == FloatFormat::BF16 {
-        k / PAIR_BLOCK * PAIR_BLOCK
-    } else {
-        0
-    };
+    let paired = format.paired_columns(k);
     for (b, xs) in x[..paired].chunks_exact(PAIR_BLOCK).enumerate() {
         let bytes = 2 * PAIR_BLOCK;
         format.widen_paired(&w[b * bytes..(b + 1) * bytes], &mut chunk);
@@ -510,33 +508,21 @@ impl FloatKernel {
             row.len() >= out.len() * format.bytes(),
             "weight row shorter than its output"
         );
-        let paired = if format == FloatFormat::BF16 {
-            out.len() / PAIR_BLOCK * PAIR_BLOCK
-        } else {
-            0
-        };
-        let (row, out) = match self {
+        // BF16's whole pair-order blocks first, then the rest in column order.
+        let paired = format.paired_columns(out.len());
+        let (head_row, row) = row.split_at(2 * paired);
+        let (head, out) = out.split_at_mut(paired);
+        match self {
             #[cfg(target_arch = "x86_64")]
-            FloatKernel::Avx512(cpu) => {
-                super::avx512::float::widen_paired(cpu, &row[..2 * paired], &mut out[..paired]);
-                (&row[2 * paired..], &mut out[paired..])
-            }
+            FloatKernel::Avx512(cpu) => super::avx512::float::widen_paired(cpu, head_row, head),
             #[cfg(target_arch = "x86_64")]
             FloatKernel::Avx512Bf16(cpu) => {
-                let cpu = cpu.avx512();
-                super::avx512::float::widen_paired(cpu, &row[..2 * paired], &mut out[..paired]);
-                (&row[2 * paired..], &mut out[paired..])
+                super::avx512::float::widen_paired(cpu.avx512(), head_row, head)
             }
             #[cfg(target_arch = "x86_64")]
-            FloatKernel::Avx2(cpu) => {
-                super::avx2::float_widen_paired(cpu, &row[..2 * paired], &mut out[..paired]);
-                (&row[2 * paired..], &mut out[paired..])
-            }
-            FloatKernel::Portable => {
-                format.widen_paired(&row[..2 * paired], &mut out[..paired]);
-                (&row[2 * paired..], &mut out[paired..])
-            }
-        };
+            FloatKernel::Avx2(cpu) => super::avx2::float_widen_paired(cpu, head_row, head),
+            FloatKernel::Portable => format.widen_paired(head_row, head),
+        }
         let done = match self {
             #[cfg(target_arch = "x86_64")]
             FloatKernel::Avx512(cpu) => super::avx512::float::widen(cpu, format, row, out),

@@ -700,10 +700,10 @@ impl QuantMatrix {
         let k = self.cols;
         let m = acts.x.len() / k.max(1);
         if m == 1 {
-            // One activation row: the weights stream once, read in their encoding.
-            self.prefetch_rows(range.start, range.start + 4, range.end);
+            // One activation row: the weights stream once, read in their encoding, one row
+            // after the next: one sequential stream, which the hardware prefetcher follows
+            // better without software prefetch (see `QuantMatrix::prefetch_rows`).
             for r in range.clone() {
-                self.prefetch_rows(r + 4, r + 5, range.end);
                 put(0, r, kernel.dot(format, self.weight_row(r), acts.x));
             }
             return;

@@ -499,14 +499,11 @@ impl QuantMatrix {
                     put(i, row - first, t);
                 }
             }
-        } else {
-            self.prefetch_rows(first, first + 4 * PREFETCH_QUADS, first + n);
         }
+        // One row after the next, one sequential stream: no software prefetch (see
+        // `prefetch_rows`).
         for r in done..n {
-            let at = first + r;
-            let ahead = at + 4 * PREFETCH_QUADS;
-            self.prefetch_rows(ahead, ahead + 1, first + n);
-            let w = self.weight_row(at);
+            let w = self.weight_row(first + r);
             for (i, a) in acts.iter().enumerate() {
                 put(i, r, &[dot(w, a)]);
             }
@@ -528,6 +525,15 @@ impl QuantMatrix {
     }
 
     /// Prefetches weight rows `from..to` (clamped to `end`; none if empty).
+    ///
+    /// Only for groups of four short rows read side by side ([`Self::quads`]): four streams
+    /// that each end within a few cache lines. A product that reads its weight rows one
+    /// after another, each row whole (one activation row against float weights, or against
+    /// K-quants without a tile), is one sequential stream per thread, which the hardware
+    /// prefetcher follows at close to the memory's read bandwidth; prefetching a whole row
+    /// ahead of it only queued requests in its way. Measured on an AMD EPYC (Zen 4), 2
+    /// threads, 768 MiB of 8192 × 2048 matrices against one activation row, with -> without
+    /// it: BF16 12.3 -> 25.4 GB/s, Q4_K 15.1 -> 18.0 GB/s, Q6_K 17.3 -> 21.6 GB/s.
     fn prefetch_rows(&self, from: usize, to: usize, end: usize) {
         let to = to.min(end);
         if from >= to {

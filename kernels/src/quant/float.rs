@@ -170,6 +170,16 @@ pub(crate) enum PairTiles {
 }
 
 impl PairTiles {
+    /// BF16 weight row `w` against one activation row `x` (BF16 bits in column order):
+    /// [`FloatKernel::dot`]'s result.
+    pub(crate) fn dot(self, w: &[u8], x: &[u16]) -> f32 {
+        let _ = (w, x);
+        match self {
+            #[cfg(target_arch = "x86_64")]
+            PairTiles::Avx512Bf16(cpu) => super::avx512::bf16::dot(cpu, w, x),
+        }
+    }
+
     /// Four BF16 weight rows against activation rows `x` (a multiple of four, at most
     /// [`TILE_ROWS`]): `out[a][r]`, each [`FloatKernel::dot`]'s result. `ahead`'s cache lines
     /// are fetched while it computes.
@@ -463,10 +473,8 @@ impl FloatKernel {
             FloatKernel::Avx2(cpu) => super::avx2::float_dot(cpu, format, w, x),
             #[cfg(target_arch = "x86_64")]
             FloatKernel::Avx512(cpu) => super::avx512::float::dot(cpu, format, w, x),
-            #[cfg(target_arch = "x86_64")]
-            FloatKernel::Avx512Bf16(cpu) if format == FloatFormat::BF16 => {
-                super::avx512::bf16::dot(cpu, w, x)
-            }
+            // `vdpbf16ps` reads column-order activations ([`PairTiles::dot`]); on pair-order
+            // ones the multiply-adds compute the same bits.
             #[cfg(target_arch = "x86_64")]
             FloatKernel::Avx512Bf16(cpu) => super::avx512::float::dot(cpu.avx512(), format, w, x),
         }
@@ -615,8 +623,8 @@ impl QuantMatrix {
                 || bf16_least_exponent(bits),
             );
         }
-        // The `vdpbf16ps` tiles read the activations as BF16 in column order.
-        let columns: Vec<u16> = if m > 1 && kernel.pair_tiles(format).is_some() {
+        // The `vdpbf16ps` kernels read the activations as BF16 in column order.
+        let columns: Vec<u16> = if kernel.pair_tiles(format).is_some() {
             let mut cols = vec![0; x.len()];
             for (c, row) in cols
                 .chunks_exact_mut(self.cols)
@@ -704,7 +712,7 @@ impl QuantMatrix {
             // after the next: one sequential stream, which the hardware prefetcher follows
             // better without software prefetch (see `QuantMatrix::prefetch_rows`).
             for r in range.clone() {
-                put(0, r, kernel.dot(format, self.weight_row(r), acts.x));
+                put(0, r, acts.dot(kernel, format, self.weight_row(r), 0, k));
             }
             return;
         }
@@ -752,11 +760,10 @@ impl QuantMatrix {
                 }
             }
             for i in fours..m {
-                let x = &acts.x[i * k..(i + 1) * k];
                 let v = if pairs.is_some() {
-                    raw.map(|w| kernel.dot(format, w, x))
+                    raw.map(|w| acts.dot(kernel, format, w, i, k))
                 } else {
-                    kernel.quad(format, w, x)
+                    kernel.quad(format, w, &acts.x[i * k..(i + 1) * k])
                 };
                 for (j, v) in v.into_iter().enumerate() {
                     put(i, r + j, v);
@@ -764,8 +771,8 @@ impl QuantMatrix {
             }
         }
         for r in quads..range.end {
-            for (i, x) in acts.x.chunks_exact(k).enumerate() {
-                put(i, r, kernel.dot(format, self.weight_row(r), x));
+            for i in 0..m {
+                put(i, r, acts.dot(kernel, format, self.weight_row(r), i, k));
             }
         }
     }
@@ -776,6 +783,17 @@ impl QuantMatrix {
 struct Acts<'a> {
     /// As [`FloatFormat::activations`] gives them.
     x: &'a [f32],
-    /// As BF16 in column order, for the `vdpbf16ps` tiles (empty otherwise).
+    /// As BF16 in column order, for the `vdpbf16ps` kernels (empty otherwise).
     columns: &'a [u16],
+}
+
+impl Acts<'_> {
+    /// Weight row `w` against activation row `i` (of `k` values): with `vdpbf16ps` on the
+    /// column-order BF16 bits where `kernel` has it for `format`, else [`FloatKernel::dot`].
+    fn dot(self, kernel: FloatKernel, format: FloatFormat, w: &[u8], i: usize, k: usize) -> f32 {
+        match kernel.pair_tiles(format) {
+            Some(pairs) => pairs.dot(w, &self.columns[i * k..(i + 1) * k]),
+            None => kernel.dot(format, w, &self.x[i * k..(i + 1) * k]),
+        }
+    }
 }

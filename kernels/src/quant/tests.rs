@@ -687,7 +687,8 @@ fn float_kernels_match_the_portable_code_bit_for_bit() {
 }
 
 /// The `vdpbf16ps` tile over BF16 weight `rows` (as stored) and two register tiles of
-/// activation rows made from `raw_x` gives every pair the portable dot product's bits.
+/// activation rows made from `raw_x`, and its one-row dot product on the same column-order
+/// activations, give every pair the portable dot product's bits.
 fn assert_bf16_tile(pairs: float::PairTiles, rows: &[(Vec<u8>, Vec<f32>)], raw_x: &[f32]) {
     let format = FloatFormat::BF16;
     let n = raw_x.len();
@@ -717,6 +718,16 @@ fn assert_bf16_tile(pairs: float::PairTiles, rows: &[(Vec<u8>, Vec<f32>)], raw_x
             want,
             "{n} values, vdpbf16ps tile row {a}"
         );
+    }
+    // The one-row product on column-order activations gives the same bits.
+    for (c, a) in columns.iter().zip(&acts) {
+        for w in w {
+            assert_eq!(
+                pairs.dot(w, c).to_bits(),
+                float::dot_portable(format, w, a).to_bits(),
+                "{n} values, vdpbf16ps dot on column-order activations"
+            );
+        }
     }
 }
 

@@ -27,28 +27,10 @@ fn bh(v: __m512i) -> __m512bh {
     unsafe { std::mem::transmute::<__m512i, __m512bh>(v) }
 }
 
-/// The BF16 bits of sixteen pairs given in pair order (their odd values at `odd`, their even
-/// values at `even`, each exactly a BF16 value widened), put back into column order.
-///
-/// # Safety
-/// `odd` and `even` must each hold sixteen f32.
-#[inline]
-#[target_feature(enable = "avx512f")]
-unsafe fn columns(odd: *const f32, even: *const f32) -> __m512bh {
-    // SAFETY: the caller guarantees sixteen readable values at each.
-    let (o, e) = unsafe {
-        (
-            _mm512_castps_si512(_mm512_loadu_ps(odd)),
-            _mm512_castps_si512(_mm512_loadu_ps(even)),
-        )
-    };
-    let high = _mm512_and_si512(o, _mm512_set1_epi32(0xffff_0000_u32 as i32));
-    bh(_mm512_or_si512(high, _mm512_srli_epi32::<16>(e)))
-}
-
-/// BF16 weight row `w` (`x.len()` values) against activation row `x` in pair order (as
-/// [`FloatFormat::activations`] gives it).
-pub(crate) fn dot(cpu: Avx512Bf16, w: &[u8], x: &[f32]) -> f32 {
+/// BF16 weight row `w` (`x.len()` values, as stored) against activation row `x` (BF16 bits
+/// in column order, as the tiles take it): one weight load, one activation load and one
+/// `vdpbf16ps` per 32 columns; the bits of the pair-order multiply-adds of the other tiers.
+pub(crate) fn dot(cpu: Avx512Bf16, w: &[u8], x: &[u16]) -> f32 {
     let _ = cpu;
     assert!(w.len() >= 2 * x.len(), "weight row shorter than its input");
     // SAFETY: `cpu` proves AVX-512 F and BF16; the row holds `x.len()` values.
@@ -58,7 +40,7 @@ pub(crate) fn dot(cpu: Avx512Bf16, w: &[u8], x: &[f32]) -> f32 {
 /// # Safety
 /// `w` must hold `x.len()` BF16 values.
 #[target_feature(enable = "avx512f,avx512bf16")]
-unsafe fn dot_bf16(w: &[u8], x: &[f32]) -> f32 {
+unsafe fn dot_bf16(w: &[u8], x: &[u16]) -> f32 {
     let k = x.len();
     let paired = k / PAIR_BLOCK * PAIR_BLOCK;
     let whole = k / LANES * LANES;
@@ -67,27 +49,31 @@ unsafe fn dot_bf16(w: &[u8], x: &[f32]) -> f32 {
     let mut i = 0;
     while i < paired {
         for (j, a) in acc.iter_mut().enumerate() {
-            // SAFETY: columns `i .. i + 128` of both rows; pair order puts the odd values of
-            // columns `i + 32 j ..` at `i + 16 j` and the even ones 64 further.
+            // SAFETY: columns `i + 32 j .. i + 32 j + 32 <= k` of both rows, column order.
             unsafe {
                 let wv = bh(_mm512_loadu_si512(wp.add(2 * (i + 32 * j)).cast()));
-                let xv = columns(xp.add(i + 16 * j), xp.add(i + LANES + 16 * j));
+                let xv = bh(_mm512_loadu_si512(xp.add(i + 32 * j).cast()));
                 *a = _mm512_dpbf16_ps(*a, wv, xv);
             }
         }
         i += PAIR_BLOCK;
     }
     if i < whole {
-        // One step of 64 columns past the last whole block: column order, one each.
+        // One step of 64 columns past the last whole block: one multiply-add each.
         for (j, a) in acc.iter_mut().enumerate() {
-            // SAFETY: columns `i .. i + 64 <= k` of both rows.
+            // SAFETY: columns `i .. i + 64 <= k` of both rows; activation bits are BF16's
+            // little-endian bytes.
             unsafe {
                 let wv = load(FloatFormat::BF16, wp, i + 16 * j);
-                *a = _mm512_fmadd_ps(wv, _mm512_loadu_ps(xp.add(i + 16 * j)), *a);
+                let xv = load(FloatFormat::BF16, xp.cast(), i + 16 * j);
+                *a = _mm512_fmadd_ps(wv, xv, *a);
             }
         }
     }
-    let tail = (whole..k).map(|i| (FloatFormat::BF16.at(w, i), x[i]));
+    let tail = (whole..k).map(|i| {
+        let v = f32::from_bits(u32::from(x[i]) << 16);
+        (FloatFormat::BF16.at(w, i), v)
+    });
     finish(FloatFormat::BF16, fold(acc), tail)
 }
 

@@ -707,12 +707,19 @@ impl QuantMatrix {
     ) {
         let k = self.cols;
         let m = acts.x.len() / k.max(1);
+        let pairs = kernel.pair_tiles(format);
+        // Weight row `w` against activation row `i`: `vdpbf16ps` on the column-order BF16
+        // bits where this CPU has it for the format, else the kernel's dot product.
+        let dot = |w: &[u8], i: usize| match pairs {
+            Some(pairs) => pairs.dot(w, &acts.columns[i * k..(i + 1) * k]),
+            None => kernel.dot(format, w, &acts.x[i * k..(i + 1) * k]),
+        };
         if m == 1 {
-            // One activation row: the weights stream once, read in their encoding, one row
-            // after the next: one sequential stream, which the hardware prefetcher follows
-            // better without software prefetch (see `QuantMatrix::prefetch_rows`).
+            // One activation row: each weight row read once, as stored, one after the next —
+            // a single sequential stream, which the hardware prefetcher follows better
+            // without software prefetch (see `QuantMatrix::prefetch_rows`).
             for r in range.clone() {
-                put(0, r, acts.dot(kernel, format, self.weight_row(r), 0, k));
+                put(0, r, dot(self.weight_row(r), 0));
             }
             return;
         }
@@ -722,7 +729,6 @@ impl QuantMatrix {
         let fours = m / 4 * 4;
         for r in (range.start..quads).step_by(4) {
             let raw: [&[u8]; 4] = std::array::from_fn(|j| self.weight_row(r + j));
-            let pairs = kernel.pair_tiles(format);
             if pairs.is_none() {
                 for (j, w) in scratch.chunks_exact_mut(k).enumerate() {
                     kernel.widen(format, raw[j], w);
@@ -761,7 +767,7 @@ impl QuantMatrix {
             }
             for i in fours..m {
                 let v = if pairs.is_some() {
-                    raw.map(|w| acts.dot(kernel, format, w, i, k))
+                    raw.map(|w| dot(w, i))
                 } else {
                     kernel.quad(format, w, &acts.x[i * k..(i + 1) * k])
                 };
@@ -772,7 +778,7 @@ impl QuantMatrix {
         }
         for r in quads..range.end {
             for i in 0..m {
-                put(i, r, acts.dot(kernel, format, self.weight_row(r), i, k));
+                put(i, r, dot(self.weight_row(r), i));
             }
         }
     }
@@ -785,15 +791,4 @@ struct Acts<'a> {
     x: &'a [f32],
     /// As BF16 in column order, for the `vdpbf16ps` kernels (empty otherwise).
     columns: &'a [u16],
-}
-
-impl Acts<'_> {
-    /// Weight row `w` against activation row `i` (of `k` values): with `vdpbf16ps` on the
-    /// column-order BF16 bits where `kernel` has it for `format`, else [`FloatKernel::dot`].
-    fn dot(self, kernel: FloatKernel, format: FloatFormat, w: &[u8], i: usize, k: usize) -> f32 {
-        match kernel.pair_tiles(format) {
-            Some(pairs) => pairs.dot(w, &self.columns[i * k..(i + 1) * k]),
-            None => kernel.dot(format, w, &self.x[i * k..(i + 1) * k]),
-        }
-    }
 }

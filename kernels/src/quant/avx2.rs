@@ -6,7 +6,7 @@ use std::arch::x86_64::*;
 
 use super::float::{self, FloatFormat};
 use super::portable::hsum8;
-use super::{f16_at, BlockFormat, Dot, Dot4, QuantizedRow, Tile, Unpacked, BLOCK};
+use super::{f16_at, BlockFormat, Dot, QuantizedRow, Tile, Unpacked, BLOCK};
 use crate::cpu::Avx2;
 
 const Q4_0: usize = BlockFormat::Q4_0.block_bytes();
@@ -117,51 +117,6 @@ fn q4_1(w: &[u8], a: &QuantizedRow) -> f32 {
     hsum8(lanes(acc)) + summs
 }
 
-/// One block of one Q4_1 row: the fused `m * s` term and the eight-lane update.
-#[inline]
-#[target_feature(enable = "avx2,fma")]
-fn q4_1_block(
-    b: &[u8],
-    a: &QuantizedRow,
-    i: usize,
-    qy: __m256i,
-    acc: __m256,
-    summs: f32,
-) -> (__m256, f32) {
-    let summs = f16_at(b, 2).mul_add(a.s[i], summs);
-    let d = _mm256_set1_ps(f16_at(b, 0) * a.d[i]);
-    (
-        _mm256_fmadd_ps(d, lane_sums(nibbles(&b[4..]), qy), acc),
-        summs,
-    )
-}
-
-#[target_feature(enable = "avx2,fma")]
-fn q4_1_x4(w: [&[u8]; 4], a: &QuantizedRow) -> [f32; 4] {
-    let (mut a0, mut a1, mut a2, mut a3) = (
-        _mm256_setzero_ps(),
-        _mm256_setzero_ps(),
-        _mm256_setzero_ps(),
-        _mm256_setzero_ps(),
-    );
-    let (mut s0, mut s1, mut s2, mut s3) = (0f32, 0f32, 0f32, 0f32);
-    let blocks = w.map(|r| r.chunks_exact(Q4_1));
-    let [b0, b1, b2, b3] = blocks;
-    for (i, (((x0, x1), x2), x3)) in b0.zip(b1).zip(b2).zip(b3).enumerate() {
-        let qy = activation(a, i);
-        (a0, s0) = q4_1_block(x0, a, i, qy, a0, s0);
-        (a1, s1) = q4_1_block(x1, a, i, qy, a1, s1);
-        (a2, s2) = q4_1_block(x2, a, i, qy, a2, s2);
-        (a3, s3) = q4_1_block(x3, a, i, qy, a3, s3);
-    }
-    [
-        hsum8(lanes(a0)) + s0,
-        hsum8(lanes(a1)) + s1,
-        hsum8(lanes(a2)) + s2,
-        hsum8(lanes(a3)) + s3,
-    ]
-}
-
 /// One block of one Q4_0/Q8_0 row: the eight-lane update.
 #[inline]
 #[target_feature(enable = "avx2,fma")]
@@ -183,25 +138,6 @@ fn signed_block(
     // |x| times sign(x)·y: the same products, with the unsigned-by-signed instruction.
     let prod = lane_sums(_mm256_sign_epi8(qx, qx), _mm256_sign_epi8(qy, qx));
     _mm256_fmadd_ps(_mm256_set1_ps(f16_at(b, 0) * a.d[i]), prod, acc)
-}
-
-#[target_feature(enable = "avx2,fma")]
-fn signed_x4(w: [&[u8]; 4], a: &QuantizedRow, stride: usize, four_bit: bool) -> [f32; 4] {
-    let (mut a0, mut a1, mut a2, mut a3) = (
-        _mm256_setzero_ps(),
-        _mm256_setzero_ps(),
-        _mm256_setzero_ps(),
-        _mm256_setzero_ps(),
-    );
-    let [b0, b1, b2, b3] = w.map(|r| r.chunks_exact(stride));
-    for (i, (((x0, x1), x2), x3)) in b0.zip(b1).zip(b2).zip(b3).enumerate() {
-        let qy = activation(a, i);
-        a0 = signed_block(x0, a, i, qy, a0, four_bit);
-        a1 = signed_block(x1, a, i, qy, a1, four_bit);
-        a2 = signed_block(x2, a, i, qy, a2, four_bit);
-        a3 = signed_block(x3, a, i, qy, a3, four_bit);
-    }
-    [a0, a1, a2, a3].map(|v| hsum8(lanes(v)))
 }
 
 #[target_feature(enable = "avx2,fma")]
@@ -290,23 +226,13 @@ pub(super) fn dot(cpu: Avx2, format: BlockFormat) -> Dot {
     }
 }
 
-/// Four rows' dot products side by side for `format`.
-pub(super) fn dot4(cpu: Avx2, format: BlockFormat) -> Dot4 {
-    let _ = cpu;
-    match format {
-        BlockFormat::Q4_1 => dot4_q4_1,
-        BlockFormat::Q4_0 => dot4_q4_0,
-        BlockFormat::Q8_0 => dot4_q8_0,
-    }
-}
-
 /// The buffered tile.
 pub(super) fn tile(cpu: Avx2) -> Tile {
     let _ = cpu;
     tile_rows
 }
 
-// The functions below are handed out only by `dot`, `dot4` and `tile`, which take the
+// The functions below are handed out only by `dot` and `tile`, which take the
 // `Avx2` token: each runs only where AVX2 and FMA were detected.
 
 fn tile_rows(u: &Unpacked, a: &[QuantizedRow], out: &mut [[f32; 4]]) {
@@ -320,21 +246,6 @@ fn tile_rows(u: &Unpacked, a: &[QuantizedRow], out: &mut [[f32; 4]]) {
         // SAFETY: as above.
         *out = unsafe { tile_avx2(u, a) };
     }
-}
-
-fn dot4_q4_1(w: [&[u8]; 4], a: &QuantizedRow) -> [f32; 4] {
-    // SAFETY: handed out by `dot4`, which takes the AVX2 token.
-    unsafe { q4_1_x4(w, a) }
-}
-
-fn dot4_q4_0(w: [&[u8]; 4], a: &QuantizedRow) -> [f32; 4] {
-    // SAFETY: handed out by `dot4`, which takes the AVX2 token.
-    unsafe { signed_x4(w, a, Q4_0, true) }
-}
-
-fn dot4_q8_0(w: [&[u8]; 4], a: &QuantizedRow) -> [f32; 4] {
-    // SAFETY: handed out by `dot4`, which takes the AVX2 token.
-    unsafe { signed_x4(w, a, Q8_0, false) }
 }
 
 fn dot_q4_1(w: &[u8], a: &QuantizedRow) -> f32 {

@@ -404,18 +404,17 @@ impl QuantMatrix {
                 kquant_dot(features, k),
                 kquant_tile(features, k).filter(|_| m >= KQUANT_TILE_MIN_ROWS),
             ),
-            WeightFormat::Q5_0 | WeightFormat::Q5_1 if m == 1 => {
-                let signed = self.format == WeightFormat::Q5_0;
-                let quantize = |r: &[f32]| quantize_row(r, !signed);
-                self.matmul_pairs(x, m, quantize, q5_dot(features, signed), None)
-            }
             WeightFormat::Float(f) => self.matmul_float(f, x, m),
             _ => {
                 let f = self
                     .format
                     .batched()
                     .unwrap_or(Batched::Block(BlockFormat::Q8_0));
-                if m <= WEIGHT_PARALLEL_MAX_ROWS {
+                if m == 1 {
+                    // One weight row after the next: one stream (see `prefetch_rows`).
+                    let quantize = |r: &[f32]| quantize_row(r, f.mins());
+                    self.matmul_pairs(x, m, quantize, f.dot(features), None)
+                } else if m <= WEIGHT_PARALLEL_MAX_ROWS {
                     self.matmat_by_weight_rows(f, x, m)
                 } else {
                     self.matmat_by_activation_rows(f, x, m)
@@ -425,9 +424,9 @@ impl QuantMatrix {
     }
 
     /// The product of the formats run one (weight row, activation row) dot product at a
-    /// time (K-quants without a tile on this CPU, Q5_0 and Q5_1 for one activation row) or,
-    /// where there is a `tile` for the format, four weight rows at a time against every
-    /// activation row: the activation rows quantized once by `quantize`, the weight rows
+    /// time (K-quants without a tile on this CPU, every 32-value format for one activation
+    /// row) or, where there is a `tile` for the format, four weight rows at a time against
+    /// every activation row: the activation rows quantized once by `quantize`, the weight rows
     /// split among the threads (each streamed once for all activation rows) or, for long
     /// prefills, the activation rows. A tile gives each pair its dot product's bits, so
     /// neither the split nor the tile changes a result.
@@ -528,12 +527,15 @@ impl QuantMatrix {
     ///
     /// Only for groups of four short rows read side by side ([`Self::quads`]): four streams
     /// that each end within a few cache lines. A product that reads its weight rows one
-    /// after another, each row whole (one activation row against float weights, or against
-    /// K-quants without a tile), is one sequential stream per thread, which the hardware
-    /// prefetcher follows at close to the memory's read bandwidth; prefetching a whole row
-    /// ahead of it only queued requests in its way. Measured on an AMD EPYC (Zen 4), 2
-    /// threads, 768 MiB of 8192 × 2048 matrices against one activation row, with -> without
-    /// it: BF16 12.3 -> 25.4 GB/s, Q4_K 15.1 -> 18.0 GB/s, Q6_K 17.3 -> 21.6 GB/s.
+    /// after another, each row whole (one activation row against any format, or several
+    /// against K-quants without a tile), is one sequential stream per thread, which the
+    /// hardware prefetcher follows at close to the memory's read bandwidth; prefetching a
+    /// whole row ahead of it only queued requests in its way. Measured on an AMD EPYC (Zen
+    /// 4), 2 threads, 768 MiB of 8192 × 2048 matrices against one activation row, with ->
+    /// without it: BF16 12.3 -> 25.4 GB/s, Q4_K 15.1 -> 18.0 GB/s, Q6_K 17.3 -> 21.6 GB/s.
+    /// There, one row at a time also beats four rows side by side, prefetched or not, on
+    /// the AVX-512 VNNI and the AVX2 tier alike: Q8_0 11.5 -> 18 GB/s (AVX2 13.2 -> 16.9),
+    /// Q4_1 8.3 -> 11.8 GB/s; Q4_0, bound by its arithmetic there, about even (~9.5).
     fn prefetch_rows(&self, from: usize, to: usize, end: usize) {
         let to = to.min(end);
         if from >= to {
@@ -654,8 +656,6 @@ fn task_pieces(out: &mut [f32], rows: usize, m: usize, per_task: usize) -> Vec<&
 
 /// How a product's groups of four weight rows meet its activation rows.
 enum Plan<'a> {
-    /// One activation row: four dot products side by side.
-    Single(Dot4, &'a QuantizedRow),
     /// A few activation rows: weight blocks unpacked in registers for each.
     #[cfg(target_arch = "x86_64")]
     Packed(PackedTile, &'a [QuantizedRow]),
@@ -679,16 +679,14 @@ impl<'a> Plan<'a> {
                 return Plan::Packed(avx512::packed_tile(cpu, f), acts);
             }
         }
-        match (format, acts) {
-            (Batched::Block(f), [one]) => Plan::Single(dot4_kernel(features, f), one),
-            _ => Plan::Buffered(tile_kernel(features), acts),
-        }
+        #[cfg(not(target_arch = "x86_64"))]
+        let _ = format;
+        Plan::Buffered(tile_kernel(features), acts)
     }
 
     /// `out[i]`: the four weight rows `w` against activation row `i`.
     fn quad(&self, format: Batched, scratch: &mut Scratch, w: [&[u8]; 4], out: &mut [[f32; 4]]) {
         match self {
-            Plan::Single(dot4, a) => out[0] = dot4(w, a),
             #[cfg(target_arch = "x86_64")]
             Plan::Packed(packed, acts) => packed(w, acts, out),
             #[cfg(target_arch = "x86_64")]
@@ -832,26 +830,8 @@ fn tile_kernel(features: cpu::Features) -> Tile {
 #[cfg(target_arch = "x86_64")]
 type PackedTile = fn([&[u8]; 4], &[QuantizedRow], &mut [[f32; 4]]);
 
-/// Four weight rows against one activation row: four independent accumulator chains, each
-/// with exactly the arithmetic of [`dot_kernel`].
-type Dot4 = fn([&[u8]; 4], &QuantizedRow) -> [f32; 4];
-
 /// A weight row against an activation row.
 type Dot = fn(&[u8], &QuantizedRow) -> f32;
-
-/// [`Dot4`] for `format` on the best tier `features` has.
-fn dot4_kernel(features: cpu::Features, format: BlockFormat) -> Dot4 {
-    #[cfg(target_arch = "x86_64")]
-    if let Some(cpu) = features.avx2() {
-        return avx2::dot4(cpu, format);
-    }
-    let _ = features;
-    match format {
-        BlockFormat::Q4_1 => |w, a| w.map(|w| dot_q4_1(w, a)),
-        BlockFormat::Q4_0 => |w, a| w.map(|w| dot_q4_0(w, a)),
-        BlockFormat::Q8_0 => |w, a| w.map(|w| dot_q8_0(w, a)),
-    }
-}
 
 /// The Q5_0 (`signed`) or Q5_1 dot product on the best tier `features` has.
 fn q5_dot(features: cpu::Features, signed: bool) -> Dot {
@@ -899,6 +879,10 @@ fn kquant_dot(features: cpu::Features, format: KFormat) -> fn(&[u8], &kquant::Q8
 /// The dot product for `format` on the best tier `features` has; every tier computes the
 /// same lanes in the same order, so results do not depend on the machine.
 fn dot_kernel(features: cpu::Features, format: BlockFormat) -> Dot {
+    #[cfg(target_arch = "x86_64")]
+    if let Some(cpu) = features.avx512_vnni() {
+        return avx512::dot(cpu, format);
+    }
     #[cfg(target_arch = "x86_64")]
     if let Some(cpu) = features.avx2() {
         return avx2::dot(cpu, format);

@@ -112,12 +112,15 @@ fn activation_quantization_rounds_ties_to_even_like_ggml() {
     assert_eq!(q.s[0], 155.0);
 }
 
+/// A tier's dot product for each format.
+type DotFor = fn(BlockFormat) -> Dot;
+
 #[test]
 fn every_kernel_matches_the_portable_code_bit_for_bit() {
     let nb = 6;
     let bytes: Vec<u8> = (0..64 * nb).map(|i| (i * 131 % 251) as u8).collect();
     // Scales must be finite f16 values: write them explicitly.
-    let block = |fmt: BlockFormat| {
+    let block = |fmt: BlockFormat, nb: usize| {
         let mut out = Vec::new();
         for (i, chunk) in bytes.chunks(fmt.block_bytes()).take(nb).enumerate() {
             let mut b = chunk.to_vec();
@@ -132,21 +135,50 @@ fn every_kernel_matches_the_portable_code_bit_for_bit() {
     let x: Vec<f32> = (0..BLOCK * nb)
         .map(|i| ((i * 37 % 101) as f32 - 50.0) * 0.013)
         .collect();
+    let bits = |v: f32| v.to_bits();
+    let features = cpu::detect();
+    #[cfg_attr(not(target_arch = "x86_64"), allow(unused_mut))]
+    let mut dots: Vec<(&str, DotFor)> = vec![("portable", |fmt| match fmt {
+        BlockFormat::Q4_1 => dot_q4_1,
+        BlockFormat::Q4_0 => dot_q4_0,
+        BlockFormat::Q8_0 => dot_q8_0,
+    })];
+    #[cfg(target_arch = "x86_64")]
+    {
+        if features.avx2().is_some() {
+            dots.push(("avx2", |fmt| {
+                avx2::dot(cpu::detect().avx2().expect("avx2"), fmt)
+            }));
+        }
+        if features.avx512_vnni().is_some() {
+            dots.push(("avx512-vnni", |fmt| {
+                avx512::dot(cpu::detect().avx512_vnni().expect("vnni"), fmt)
+            }));
+        }
+    }
+    let names: Vec<&str> = dots.iter().map(|(name, _)| *name).collect();
+    eprintln!(
+        "32-value dot products checked on this CPU: {}",
+        names.join(", ")
+    );
     for fmt in [BlockFormat::Q4_0, BlockFormat::Q4_1, BlockFormat::Q8_0] {
-        let w = block(fmt);
+        // An odd count of blocks too: the AVX-512 dot takes blocks two at a time.
+        for n in [1, 5, nb] {
+            let w = block(fmt, n);
+            let a = quantize_row(&x[..n * BLOCK], fmt == BlockFormat::Q4_1);
+            let want = bits(dots[0].1(fmt)(&w, &a));
+            for (name, dot) in &dots {
+                assert_eq!(
+                    bits(dot(fmt)(&w, &a)),
+                    want,
+                    "{fmt:?} {name} dot of {n} blocks"
+                );
+            }
+            assert_eq!(bits(dot_kernel(features, fmt)(&w, &a)), want, "{fmt:?} dot");
+        }
+        let w = block(fmt, nb);
         let a = quantize_row(&x, fmt == BlockFormat::Q4_1);
-        let portable = match fmt {
-            BlockFormat::Q4_1 => dot_q4_1(&w, &a),
-            BlockFormat::Q4_0 => dot_q4_0(&w, &a),
-            BlockFormat::Q8_0 => dot_q8_0(&w, &a),
-        };
-        let bits = |v: f32| v.to_bits();
-        let features = cpu::detect();
-        assert_eq!(
-            bits(dot_kernel(features, fmt)(&w, &a)),
-            bits(portable),
-            "{fmt:?} dot"
-        );
+        let portable = bits(dots[0].1(fmt)(&w, &a));
         // Four different rows, so a mixed-up row order shows.
         let rows: Vec<Vec<u8>> = (0..4)
             .map(|r| {
@@ -160,9 +192,7 @@ fn every_kernel_matches_the_portable_code_bit_for_bit() {
             .iter()
             .map(|r| bits(dot_kernel(features, fmt)(r, &a)))
             .collect();
-        let four = dot4_kernel(features, fmt)(quad, &a);
-        assert_eq!(four.map(bits).to_vec(), want, "{fmt:?} dot4");
-        assert_eq!(want[0], bits(portable), "{fmt:?} dot");
+        assert_eq!(want[0], portable, "{fmt:?} dot");
         let mut u = Unpacked::default();
         u.fill(fmt, [&w, &w, &w, &w]);
         // Runs of 1, 4 and 6 activation rows (the wide kernels' groups and remainder).
@@ -185,7 +215,7 @@ fn every_kernel_matches_the_portable_code_bit_for_bit() {
                 let mut out = vec![[0f32; 4]; n];
                 kernel(&u, &acts, &mut out);
                 assert!(
-                    out.iter().flatten().all(|&v| bits(v) == bits(portable)),
+                    out.iter().flatten().all(|&v| bits(v) == portable),
                     "{fmt:?} tile of {n}"
                 );
             }

@@ -1,7 +1,7 @@
-//! The quantized products with AVX-512: the packed tile for a few activation rows (two
-//! weight rows per 512-bit register, each block unpacked once in registers for all rows)
-//! and, in [`wide`], the kernel for batches. Every entry point takes the
-//! [`Avx512Vnni`] token.
+//! The quantized products with AVX-512: the one-row dot product (two blocks per 512-bit
+//! register), the packed tile for a few activation rows (two weight rows per register,
+//! each block unpacked once in registers for all rows) and, in [`wide`], the kernel for
+//! batches. Every entry point takes the [`Avx512Vnni`] token.
 
 pub(super) mod bf16;
 pub(super) mod float;
@@ -10,7 +10,7 @@ pub(super) mod wide;
 use std::arch::x86_64::*;
 
 use super::portable::hsum8;
-use super::{BlockFormat, PackedTile, QuantizedRow, BLOCK};
+use super::{f16_at, BlockFormat, Dot, PackedTile, QuantizedRow, BLOCK};
 use crate::cpu::Avx512Vnni;
 
 /// The four outputs of two paired accumulators (rows 0-1, 2-3): each half reduced as
@@ -188,6 +188,149 @@ fn packed_rows_avx512<const F: u8>(w: [&[u8]; 4], acts: &[QuantizedRow], out: &m
     }
     for (a, o) in acts[fours..].chunks(1).zip(out[fours..].chunks_mut(1)) {
         packed_avx512::<F, 1>(w, a, o);
+    }
+}
+
+/// One GGUF weight row of format `F` against one activation row, two blocks per 512-bit
+/// register (block `i` in the low half, `i + 1` in the high half): each block's eight
+/// integer lanes are the 256-bit kernel's, and they meet the accumulator one block after
+/// the next with the same scale and fused multiply-add, so the bits are the same.
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
+fn row_avx512<const F: u8>(w: &[u8], a: &QuantizedRow) -> f32 {
+    let stride = match F {
+        FMT_Q8_0 => BlockFormat::Q8_0,
+        FMT_Q4_1 => BlockFormat::Q4_1,
+        _ => BlockFormat::Q4_0,
+    }
+    .block_bytes();
+    let unsigned = F == FMT_Q4_1;
+    let nb = a.d.len();
+    assert!(w.len() == nb * stride && a.q.len() == nb * BLOCK);
+    assert!(!unsigned || a.s.len() == nb);
+    let block = |i: usize| {
+        (
+            &w[i * stride..],
+            a.d[i],
+            if unsigned { a.s[i] } else { 0.0 },
+        )
+    };
+    let mut acc = _mm256_setzero_ps();
+    let mut summs = 0f32;
+    for i in (0..nb).step_by(2) {
+        let pair = i + 1 < nb;
+        let (x, y) = (block(i).0, block(if pair { i + 1 } else { i }).0);
+        // SAFETY: `x` and `y` each start a whole block of the row (asserted length), and
+        // the activation bytes read (64 for a pair, 32 for the last odd block) lie inside
+        // `a.q`; all loads are unaligned.
+        let lanes = unsafe {
+            let q = a.q.as_ptr().add(i * BLOCK);
+            let qy = if pair {
+                _mm512_loadu_si512(q.cast())
+            } else {
+                _mm512_zextsi256_si512(_mm256_loadu_si256(q.cast()))
+            };
+            pair_lanes::<F>(x, y, qy)
+        };
+        (acc, summs) = add_block(
+            block(i),
+            unsigned,
+            _mm512_castps512_ps256(lanes),
+            acc,
+            summs,
+        );
+        if pair {
+            let high = _mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(_mm512_castps_pd(lanes)));
+            (acc, summs) = add_block(block(i + 1), unsigned, high, acc, summs);
+        }
+    }
+    hsum8(lanes8(acc)) + summs
+}
+
+/// The eight integer lanes of weight block `x` (low half) and of weight block `y` (high
+/// half), GGUF blocks of format `F`, against the activation bytes `qy` (32 for each), as
+/// f32: each lane the sum of four products, the integers the 256-bit kernel computes.
+///
+/// # Safety
+/// `x` and `y` must each hold a whole block.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2")]
+unsafe fn pair_lanes<const F: u8>(x: &[u8], y: &[u8], qy: __m512i) -> __m512 {
+    let zero = _mm512_setzero_si512();
+    // SAFETY: the caller guarantees a whole block in `x` and in `y`.
+    let prod = unsafe {
+        match F {
+            FMT_Q8_0 => {
+                // |x| times sign(x)·y, as in `packed_avx512`.
+                let qx = row_pair_q8(x, y, 2);
+                let sy = _mm512_mask_sub_epi8(qy, _mm512_movepi8_mask(qx), zero, qy);
+                _mm512_dpbusd_epi32(zero, _mm512_abs_epi8(qx), sy)
+            }
+            FMT_Q4_1 => _mm512_dpbusd_epi32(zero, row_pair_q4(x, y, 4, 0), qy),
+            _ => {
+                // Four (n - 8)·y summed are four n·y summed minus four 8·y summed: the
+                // same integers, with the unsigned-by-signed instruction and no signs.
+                let n = row_pair_q4(x, y, 2, 0);
+                let eights = _mm512_dpbusd_epi32(zero, _mm512_set1_epi8(8), qy);
+                _mm512_sub_epi32(_mm512_dpbusd_epi32(zero, n, qy), eights)
+            }
+        }
+    };
+    _mm512_cvtepi32_ps(prod)
+}
+
+/// One block's update of [`row_avx512`]: `(weight block, activation scale, activation
+/// sum)`; its integer `lanes` scaled into `acc`, and for Q4_1 (`unsigned`) the `m · s`
+/// term into `summs`, as the 256-bit kernel does.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn add_block(
+    (b, d, s): (&[u8], f32, f32),
+    unsigned: bool,
+    lanes: __m256,
+    acc: __m256,
+    summs: f32,
+) -> (__m256, f32) {
+    let summs = if unsigned {
+        f16_at(b, 2).mul_add(s, summs)
+    } else {
+        summs
+    };
+    let scale = _mm256_set1_ps(f16_at(b, 0) * d);
+    (_mm256_fmadd_ps(scale, lanes, acc), summs)
+}
+
+/// Eight f32 lanes of a vector.
+#[inline]
+#[target_feature(enable = "avx")]
+fn lanes8(v: __m256) -> [f32; 8] {
+    let mut out = [0f32; 8];
+    // SAFETY: `out` holds exactly eight f32; storeu has no alignment requirement.
+    unsafe { _mm256_storeu_ps(out.as_mut_ptr(), v) };
+    out
+}
+
+fn row_q4_1(w: &[u8], a: &QuantizedRow) -> f32 {
+    // SAFETY: handed out only by `dot`, which takes the AVX-512 VNNI token.
+    unsafe { row_avx512::<FMT_Q4_1>(w, a) }
+}
+
+fn row_q4_0(w: &[u8], a: &QuantizedRow) -> f32 {
+    // SAFETY: as in `row_q4_1`.
+    unsafe { row_avx512::<FMT_Q4_0>(w, a) }
+}
+
+fn row_q8_0(w: &[u8], a: &QuantizedRow) -> f32 {
+    // SAFETY: as in `row_q4_1`.
+    unsafe { row_avx512::<FMT_Q8_0>(w, a) }
+}
+
+/// The one-row dot product for `format`.
+pub(super) fn dot(cpu: Avx512Vnni, format: BlockFormat) -> Dot {
+    let _ = cpu;
+    match format {
+        BlockFormat::Q4_1 => row_q4_1,
+        BlockFormat::Q4_0 => row_q4_0,
+        BlockFormat::Q8_0 => row_q8_0,
     }
 }
 

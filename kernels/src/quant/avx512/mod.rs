@@ -79,6 +79,15 @@ const FMT_Q4_1: u8 = 1;
 /// Q8_0 weights.
 const FMT_Q8_0: u8 = 2;
 
+/// The weight format an `F` parameter names.
+const fn block_format(f: u8) -> BlockFormat {
+    match f {
+        FMT_Q8_0 => BlockFormat::Q8_0,
+        FMT_Q4_1 => BlockFormat::Q4_1,
+        _ => BlockFormat::Q4_0,
+    }
+}
+
 /// Four GGUF weight rows of format `F` against `R` activation rows, two weight rows per
 /// 512-bit register (lanes 0..8 the first, 8..16 the second), unpacking each block
 /// straight from the GGUF bytes once for all `R` rows (no round trip through memory): the
@@ -89,12 +98,7 @@ fn packed_avx512<const F: u8, const R: usize>(
     acts: &[QuantizedRow],
     out: &mut [[f32; 4]],
 ) {
-    let stride = match F {
-        FMT_Q8_0 => BlockFormat::Q8_0,
-        FMT_Q4_1 => BlockFormat::Q4_1,
-        _ => BlockFormat::Q4_0,
-    }
-    .block_bytes();
+    let stride = block_format(F).block_bytes();
     let unsigned = F == FMT_Q4_1;
     assert!(acts.len() == R && out.len() == R);
     let nb = acts[0].d.len();
@@ -197,12 +201,7 @@ fn packed_rows_avx512<const F: u8>(w: [&[u8]; 4], acts: &[QuantizedRow], out: &m
 /// the next with the same scale and fused multiply-add, so the bits are the same.
 #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
 fn row_avx512<const F: u8>(w: &[u8], a: &QuantizedRow) -> f32 {
-    let stride = match F {
-        FMT_Q8_0 => BlockFormat::Q8_0,
-        FMT_Q4_1 => BlockFormat::Q4_1,
-        _ => BlockFormat::Q4_0,
-    }
-    .block_bytes();
+    let stride = block_format(F).block_bytes();
     let unsigned = F == FMT_Q4_1;
     let nb = a.d.len();
     assert!(w.len() == nb * stride && a.q.len() == nb * BLOCK);

@@ -15,7 +15,7 @@ const Q8_0: usize = BlockFormat::Q8_0.block_bytes();
 
 /// Eight f32 lanes of a vector.
 #[inline(always)]
-fn lanes(v: __m256) -> [f32; 8] {
+pub(super) fn lanes(v: __m256) -> [f32; 8] {
     let mut out = [0f32; 8];
     // SAFETY: `out` holds exactly eight f32; storeu has no alignment requirement.
     unsafe { _mm256_storeu_ps(out.as_mut_ptr(), v) };

@@ -9,6 +9,7 @@ pub(super) mod wide;
 
 use std::arch::x86_64::*;
 
+use super::avx2::lanes;
 use super::portable::hsum8;
 use super::{f16_at, BlockFormat, Dot, PackedTile, QuantizedRow, BLOCK};
 use crate::cpu::Avx512Vnni;
@@ -242,7 +243,7 @@ fn row_avx512<const F: u8>(w: &[u8], a: &QuantizedRow) -> f32 {
             (acc, summs) = add_block(block(i + 1), unsigned, high, acc, summs);
         }
     }
-    hsum8(lanes8(acc)) + summs
+    hsum8(lanes(acc)) + summs
 }
 
 /// The eight integer lanes of weight block `x` (low half) and of weight block `y` (high
@@ -296,16 +297,6 @@ fn add_block(
     };
     let scale = _mm256_set1_ps(f16_at(b, 0) * d);
     (_mm256_fmadd_ps(scale, lanes, acc), summs)
-}
-
-/// Eight f32 lanes of a vector.
-#[inline]
-#[target_feature(enable = "avx")]
-fn lanes8(v: __m256) -> [f32; 8] {
-    let mut out = [0f32; 8];
-    // SAFETY: `out` holds exactly eight f32; storeu has no alignment requirement.
-    unsafe { _mm256_storeu_ps(out.as_mut_ptr(), v) };
-    out
 }
 
 fn row_q4_1(w: &[u8], a: &QuantizedRow) -> f32 {

@@ -192,6 +192,12 @@ impl PairTiles {
     }
 }
 
+/// The value of BF16 bits, exactly.
+#[inline(always)]
+pub(crate) fn bf16_to_f32(bits: u16) -> f32 {
+    f32::from_bits(u32::from(bits) << 16)
+}
+
 /// A floating-point weight encoding.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum FloatFormat {
@@ -223,9 +229,7 @@ impl FloatFormat {
             FloatFormat::F16 => {
                 half::f16::from_bits(u16::from_le_bytes([row[2 * i], row[2 * i + 1]])).to_f32()
             }
-            FloatFormat::BF16 => {
-                f32::from_bits(u32::from(u16::from_le_bytes([row[2 * i], row[2 * i + 1]])) << 16)
-            }
+            FloatFormat::BF16 => bf16_to_f32(u16::from_le_bytes([row[2 * i], row[2 * i + 1]])),
         }
     }
 
@@ -244,7 +248,7 @@ impl FloatFormat {
             }
             FloatFormat::BF16 => {
                 for (y, b) in out.iter_mut().zip(row.chunks_exact(2)) {
-                    *y = f32::from_bits(u32::from(u16::from_le_bytes([b[0], b[1]])) << 16);
+                    *y = bf16_to_f32(u16::from_le_bytes([b[0], b[1]]));
                 }
             }
         }

@@ -8,7 +8,7 @@
 
 use std::arch::x86_64::*;
 
-use super::super::float::{finish, shares, FloatFormat, LANES, PAIR_BLOCK, TILE_ROWS};
+use super::super::float::{bf16_to_f32, finish, shares, FloatFormat, LANES, PAIR_BLOCK, TILE_ROWS};
 use super::float::{fold, fold4, load};
 use crate::cpu::Avx512Bf16;
 
@@ -70,11 +70,15 @@ unsafe fn dot_bf16(w: &[u8], x: &[u16]) -> f32 {
             }
         }
     }
-    let tail = (whole..k).map(|i| {
-        let v = f32::from_bits(u32::from(x[i]) << 16);
-        (FloatFormat::BF16.at(w, i), v)
-    });
-    finish(FloatFormat::BF16, fold(acc), tail)
+    with_tail(fold(acc), w, x, whole)
+}
+
+/// `folded`, the sum of the whole 64-column steps of BF16 weight row `w` against
+/// column-order activation bits `x`, plus the columns from `whole` on, as [`finish`] adds
+/// them.
+fn with_tail(folded: f32, w: &[u8], x: &[u16], whole: usize) -> f32 {
+    let tail = (whole..x.len()).map(|i| (FloatFormat::BF16.at(w, i), bf16_to_f32(x[i])));
+    finish(FloatFormat::BF16, folded, tail)
 }
 
 /// Four BF16 weight rows (as stored) against activation rows `x` (BF16 bits in column
@@ -178,11 +182,7 @@ unsafe fn tile_bf16(w: [&[u8]; 4], x: &[&[u16]], ahead: &[u8], out: &mut [[f32; 
                 [part[0][a][r], part[1][a][r], part[2][a][r], part[3][a][r]]
             }));
             for (r, folded) in folded.into_iter().enumerate() {
-                let tail = (whole..k).map(|i| {
-                    let v = f32::from_bits(u32::from(xa[i]) << 16);
-                    (FloatFormat::BF16.at(w[r], i), v)
-                });
-                out[4 * t + a][r] = finish(FloatFormat::BF16, folded, tail);
+                out[4 * t + a][r] = with_tail(folded, w[r], xa, whole);
             }
         }
     }

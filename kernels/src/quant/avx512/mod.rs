@@ -203,26 +203,19 @@ fn packed_rows_avx512<const F: u8>(w: [&[u8]; 4], acts: &[QuantizedRow], out: &m
 #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
 fn row_avx512<const F: u8>(w: &[u8], a: &QuantizedRow) -> f32 {
     let stride = block_format(F).block_bytes();
-    let unsigned = F == FMT_Q4_1;
     let nb = a.d.len();
     assert!(w.len() == nb * stride && a.q.len() == nb * BLOCK);
-    assert!(!unsigned || a.s.len() == nb);
-    let block = |i: usize| {
-        (
-            &w[i * stride..],
-            a.d[i],
-            if unsigned { a.s[i] } else { 0.0 },
-        )
-    };
+    assert!(F != FMT_Q4_1 || a.s.len() == nb);
     let mut acc = _mm256_setzero_ps();
     let mut summs = 0f32;
     for i in (0..nb).step_by(2) {
         let pair = i + 1 < nb;
-        let (x, y) = (block(i).0, block(if pair { i + 1 } else { i }).0);
+        let x = &w[i * stride..];
+        let y = if pair { &x[stride..] } else { x };
         // SAFETY: `x` and `y` each start a whole block of the row (asserted length), and
         // the activation bytes read (64 for a pair, 32 for the last odd block) lie inside
         // `a.q`; all loads are unaligned.
-        let lanes = unsafe {
+        let sums = unsafe {
             let q = a.q.as_ptr().add(i * BLOCK);
             let qy = if pair {
                 _mm512_loadu_si512(q.cast())
@@ -231,16 +224,10 @@ fn row_avx512<const F: u8>(w: &[u8], a: &QuantizedRow) -> f32 {
             };
             pair_lanes::<F>(x, y, qy)
         };
-        (acc, summs) = add_block(
-            block(i),
-            unsigned,
-            _mm512_castps512_ps256(lanes),
-            acc,
-            summs,
-        );
+        (acc, summs) = add_block::<F>(x, a, i, _mm512_castps512_ps256(sums), acc, summs);
         if pair {
-            let high = _mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(_mm512_castps_pd(lanes)));
-            (acc, summs) = add_block(block(i + 1), unsigned, high, acc, summs);
+            let high = _mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(_mm512_castps_pd(sums)));
+            (acc, summs) = add_block::<F>(y, a, i + 1, high, acc, summs);
         }
     }
     hsum8(lanes(acc)) + summs
@@ -278,24 +265,24 @@ unsafe fn pair_lanes<const F: u8>(x: &[u8], y: &[u8], qy: __m512i) -> __m512 {
     _mm512_cvtepi32_ps(prod)
 }
 
-/// One block's update of [`row_avx512`]: `(weight block, activation scale, activation
-/// sum)`; its integer `lanes` scaled into `acc`, and for Q4_1 (`unsigned`) the `m · s`
-/// term into `summs`, as the 256-bit kernel does.
+/// Block `i` (GGUF bytes `b`) of a [`row_avx512`] row: its integer `lanes` scaled into
+/// `acc`, and for Q4_1 the `m · s` term into `summs`, as the 256-bit kernel does.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-fn add_block(
-    (b, d, s): (&[u8], f32, f32),
-    unsigned: bool,
+fn add_block<const F: u8>(
+    b: &[u8],
+    a: &QuantizedRow,
+    i: usize,
     lanes: __m256,
     acc: __m256,
     summs: f32,
 ) -> (__m256, f32) {
-    let summs = if unsigned {
-        f16_at(b, 2).mul_add(s, summs)
+    let summs = if F == FMT_Q4_1 {
+        f16_at(b, 2).mul_add(a.s[i], summs)
     } else {
         summs
     };
-    let scale = _mm256_set1_ps(f16_at(b, 0) * d);
+    let scale = _mm256_set1_ps(f16_at(b, 0) * a.d[i]);
     (_mm256_fmadd_ps(scale, lanes, acc), summs)
 }
 

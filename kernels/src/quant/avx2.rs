@@ -4,7 +4,7 @@
 
 use std::arch::x86_64::*;
 
-use super::float::{self, FloatFormat};
+use super::float::{self, Activation, FloatFormat};
 use super::portable::hsum8;
 use super::{f16_at, BlockFormat, Dot, QuantizedRow, Tile, Unpacked, BLOCK};
 use crate::cpu::Avx2;
@@ -532,7 +532,7 @@ unsafe fn float_widen_avx2(format: FloatFormat, row: &[u8], out: &mut [f32]) {
 
 /// Weight row `w` (in `format`, `x.len()` values) against activation row `x`, in the
 /// arithmetic of [`float`].
-pub(super) fn float_dot(cpu: Avx2, format: FloatFormat, w: &[u8], x: &[f32]) -> f32 {
+pub(super) fn float_dot<T: Activation>(cpu: Avx2, format: FloatFormat, w: &[u8], x: &[T]) -> f32 {
     let _ = cpu;
     assert!(
         w.len() >= x.len() * format.bytes(),
@@ -559,13 +559,13 @@ pub(super) fn float_dot_f32(cpu: Avx2, format: FloatFormat, w: &[f32], x: &[f32]
 /// # Safety
 /// `w` must hold `x.len()` values of `format`.
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn float_dot_avx2(format: FloatFormat, w: *const u8, x: &[f32]) -> f32 {
+unsafe fn float_dot_avx2<T: Activation>(format: FloatFormat, w: *const u8, x: &[T]) -> f32 {
     // SAFETY: forwarded from the caller.
     let folded = unsafe { float_sums_avx2(format, w, x) };
     let whole = x.len() / float::LANES * float::LANES;
     // SAFETY: the caller guarantees `x.len()` values of `format` at `w`.
     let row = unsafe { std::slice::from_raw_parts(w, x.len() * format.bytes()) };
-    let tail = (whole..x.len()).map(|i| (format.at(row, i), x[i]));
+    let tail = (whole..x.len()).map(|i| (format.at(row, i), x[i].value()));
     float::finish(format, folded, tail)
 }
 
@@ -574,7 +574,7 @@ unsafe fn float_dot_avx2(format: FloatFormat, w: *const u8, x: &[f32]) -> f32 {
 /// # Safety
 /// `w` must hold `x.len()` values of `format`.
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn float_sums_avx2(format: FloatFormat, w: *const u8, x: &[f32]) -> f32 {
+unsafe fn float_sums_avx2<T: Activation>(format: FloatFormat, w: *const u8, x: &[T]) -> f32 {
     let whole = x.len() / float::LANES * float::LANES;
     let mut acc = [_mm256_setzero_ps(); 8];
     let xp = x.as_ptr();
@@ -586,8 +586,8 @@ unsafe fn float_sums_avx2(format: FloatFormat, w: *const u8, x: &[f32]) -> f32 {
                 // SAFETY: columns `i .. i + 128` of both rows.
                 unsafe {
                     let (odd, even) = load_pairs(w.add(2 * (i + 16 * j)));
-                    *a = _mm256_fmadd_ps(odd, _mm256_loadu_ps(xp.add(i + 8 * j)), *a);
-                    let x_even = _mm256_loadu_ps(xp.add(i + float::LANES + 8 * j));
+                    *a = _mm256_fmadd_ps(odd, load_float(T::FORMAT, xp.cast(), i + 8 * j), *a);
+                    let x_even = load_float(T::FORMAT, xp.cast(), i + float::LANES + 8 * j);
                     *a = _mm256_fmadd_ps(even, x_even, *a);
                 }
             }
@@ -599,7 +599,7 @@ unsafe fn float_sums_avx2(format: FloatFormat, w: *const u8, x: &[f32]) -> f32 {
             // SAFETY: `i + 8 j + 8 <= whole <= x.len()` values of both rows.
             unsafe {
                 let wv = load_float(format, w, i + 8 * j);
-                *a = _mm256_fmadd_ps(wv, _mm256_loadu_ps(xp.add(i + 8 * j)), *a);
+                *a = _mm256_fmadd_ps(wv, load_float(T::FORMAT, xp.cast(), i + 8 * j), *a);
             }
         }
         i += float::LANES;

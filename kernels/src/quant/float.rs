@@ -22,6 +22,7 @@
 
 use std::borrow::Cow;
 
+use half::{bf16, f16};
 use rayon::prelude::*;
 
 use super::{
@@ -121,7 +122,7 @@ pub(crate) fn pairs_exact(weights: Option<i32>, activations: Option<i32>) -> boo
 /// `v` rounded to BF16 as ggml's `GGML_FP32_TO_BF16` rounds it: to nearest, ties to even,
 /// NaN kept quiet.
 fn round_bf16(v: f32) -> f32 {
-    half::bf16::from_f32(v).to_f32()
+    bf16::from_f32(v).to_f32()
 }
 
 /// `row` (in original column order) written to `out` in BF16 pair order: in each whole
@@ -198,6 +199,42 @@ pub(crate) fn bf16_to_f32(bits: u16) -> f32 {
     f32::from_bits(u32::from(bits) << 16)
 }
 
+/// The values of an activation row as the one-row dot products read them: f32, or the
+/// 16-bit values F16 and BF16 weights' activations are rounded to, exact in half the bytes.
+/// The row is read again for every weight row, and at 8192 columns an f32 row no longer
+/// shares the L1 cache with the weights streaming past.
+pub(crate) trait Activation: Copy + Sync {
+    /// The encoding of the values, as the vector kernels widen it.
+    #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
+    const FORMAT: FloatFormat;
+    /// The value, exactly.
+    fn value(self) -> f32;
+}
+
+impl Activation for f32 {
+    const FORMAT: FloatFormat = FloatFormat::F32;
+    #[inline(always)]
+    fn value(self) -> f32 {
+        self
+    }
+}
+
+impl Activation for f16 {
+    const FORMAT: FloatFormat = FloatFormat::F16;
+    #[inline(always)]
+    fn value(self) -> f32 {
+        self.to_f32()
+    }
+}
+
+impl Activation for bf16 {
+    const FORMAT: FloatFormat = FloatFormat::BF16;
+    #[inline(always)]
+    fn value(self) -> f32 {
+        self.to_f32()
+    }
+}
+
 /// A floating-point weight encoding.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum FloatFormat {
@@ -227,7 +264,7 @@ impl FloatFormat {
                 f32::from_le_bytes([b[0], b[1], b[2], b[3]])
             }
             FloatFormat::F16 => {
-                half::f16::from_bits(u16::from_le_bytes([row[2 * i], row[2 * i + 1]])).to_f32()
+                f16::from_bits(u16::from_le_bytes([row[2 * i], row[2 * i + 1]])).to_f32()
             }
             FloatFormat::BF16 => bf16_to_f32(u16::from_le_bytes([row[2 * i], row[2 * i + 1]])),
         }
@@ -243,7 +280,7 @@ impl FloatFormat {
             }
             FloatFormat::F16 => {
                 for (y, b) in out.iter_mut().zip(row.chunks_exact(2)) {
-                    *y = half::f16::from_bits(u16::from_le_bytes([b[0], b[1]])).to_f32();
+                    *y = f16::from_bits(u16::from_le_bytes([b[0], b[1]])).to_f32();
                 }
             }
             FloatFormat::BF16 => {
@@ -273,7 +310,7 @@ impl FloatFormat {
         match self {
             FloatFormat::F16 => {
                 for (o, &v) in out.iter_mut().zip(x) {
-                    *o = half::f16::from_f32(v).to_f32();
+                    *o = f16::from_f32(v).to_f32();
                 }
             }
             FloatFormat::BF16 => {
@@ -349,7 +386,7 @@ pub(crate) fn finish(
 
 /// One weight row in its encoding against one activation row (already as
 /// [`FloatFormat::activations`] gives it), portably.
-pub(crate) fn dot_portable(format: FloatFormat, w: &[u8], x: &[f32]) -> f32 {
+pub(crate) fn dot_portable<T: Activation>(format: FloatFormat, w: &[u8], x: &[T]) -> f32 {
     let k = x.len();
     let whole = k / LANES * LANES;
     let mut p = [0f32; LANES];
@@ -360,7 +397,7 @@ pub(crate) fn dot_portable(format: FloatFormat, w: &[u8], x: &[f32]) -> f32 {
         format.widen_paired(&w[b * bytes..(b + 1) * bytes], &mut chunk);
         for (ws, xs) in chunk.chunks_exact(LANES).zip(xs.chunks_exact(LANES)) {
             for l in 0..LANES {
-                p[l] = ws[l].mul_add(xs[l], p[l]);
+                p[l] = ws[l].mul_add(xs[l].value(), p[l]);
             }
         }
     }
@@ -369,10 +406,10 @@ pub(crate) fn dot_portable(format: FloatFormat, w: &[u8], x: &[f32]) -> f32 {
         let at = paired * format.bytes() + i * bytes;
         format.widen(&w[at..at + bytes], &mut chunk[..LANES]);
         for l in 0..LANES {
-            p[l] = chunk[l].mul_add(xs[l], p[l]);
+            p[l] = chunk[l].mul_add(xs[l].value(), p[l]);
         }
     }
-    let tail = (whole..k).map(|i| (format.at(w, i), x[i]));
+    let tail = (whole..k).map(|i| (format.at(w, i), x[i].value()));
     finish(format, fold64(&p), tail)
 }
 
@@ -469,8 +506,9 @@ impl FloatKernel {
     }
 
     /// Weight row `w` (in `format`) against activation row `x` (as
-    /// [`FloatFormat::activations`] gives it).
-    pub(crate) fn dot(self, format: FloatFormat, w: &[u8], x: &[f32]) -> f32 {
+    /// [`FloatFormat::activations`] gives it, or those values in the 16 bits F16 and BF16
+    /// weights' activations are rounded to).
+    pub(crate) fn dot<T: Activation>(self, format: FloatFormat, w: &[u8], x: &[T]) -> f32 {
         match self {
             FloatKernel::Portable => dot_portable(format, w, x),
             #[cfg(target_arch = "x86_64")]
@@ -640,6 +678,17 @@ impl QuantMatrix {
         } else {
             Vec::new()
         };
+        // One activation row, read again for every weight row: the dot products read it as
+        // the 16-bit values it holds for F16 and BF16 weights, in half the bytes.
+        let narrow = match format {
+            FloatFormat::F16 if m == 1 => {
+                Narrow::F16(x.iter().map(|&v| f16::from_f32(v)).collect())
+            }
+            FloatFormat::BF16 if m == 1 && columns.is_empty() => {
+                Narrow::BF16(x.iter().map(|&v| bf16::from_f32(v)).collect())
+            }
+            _ => Narrow::None,
+        };
         let k = self.cols;
         let mut out = Buf::take(m * self.rows);
         if m <= WEIGHT_PARALLEL_MAX_ROWS {
@@ -654,6 +703,7 @@ impl QuantMatrix {
                     let acts = Acts {
                         x,
                         columns: &columns,
+                        narrow: &narrow,
                     };
                     self.float_rows(
                         kernel,
@@ -676,6 +726,7 @@ impl QuantMatrix {
                     let acts = Acts {
                         x: &x[span.clone()],
                         columns: columns.get(span).unwrap_or_default(),
+                        narrow: &Narrow::None,
                     };
                     self.float_rows(kernel, format, 0..rows, acts, scratch, |i, r, v| {
                         dst[i * rows + r] = v
@@ -714,9 +765,11 @@ impl QuantMatrix {
         let pairs = kernel.pair_tiles(format);
         // Weight row `w` against activation row `i`: `vdpbf16ps` on the column-order BF16
         // bits where this CPU has it for the format, else the kernel's dot product.
-        let dot = |w: &[u8], i: usize| match pairs {
-            Some(pairs) => pairs.dot(w, &acts.columns[i * k..(i + 1) * k]),
-            None => kernel.dot(format, w, &acts.x[i * k..(i + 1) * k]),
+        let dot = |w: &[u8], i: usize| match (pairs, acts.narrow) {
+            (Some(pairs), _) => pairs.dot(w, &acts.columns[i * k..(i + 1) * k]),
+            (None, Narrow::F16(x)) => kernel.dot(format, w, &x[i * k..(i + 1) * k]),
+            (None, Narrow::BF16(x)) => kernel.dot(format, w, &x[i * k..(i + 1) * k]),
+            (None, Narrow::None) => kernel.dot(format, w, &acts.x[i * k..(i + 1) * k]),
         };
         if m == 1 {
             // One activation row: each weight row read once, as stored, one after the next —
@@ -795,4 +848,18 @@ struct Acts<'a> {
     x: &'a [f32],
     /// As BF16 in column order, for the `vdpbf16ps` kernels (empty otherwise).
     columns: &'a [u16],
+    /// One row's values in 16 bits, for the dot products, where the format has them.
+    narrow: &'a Narrow,
+}
+
+/// An activation row's values (as [`FloatFormat::activations`] gives them) in the 16 bits
+/// they are rounded to, for the one-row dot products of F16 weights, and of BF16 weights
+/// where no `vdpbf16ps` kernel reads them as [`Acts::columns`].
+enum Narrow {
+    /// Not kept: the dot products read the f32 values.
+    None,
+    /// An F16 product's activations.
+    F16(Vec<f16>),
+    /// A BF16 product's activations, in pair order.
+    BF16(Vec<bf16>),
 }

@@ -655,6 +655,9 @@ fn float_kernels_match_the_portable_code_bit_for_bit() {
                 .iter()
                 .map(|(w, _)| float::dot_portable(format, w, &x).to_bits())
                 .collect();
+            // The activations as the 16-bit values they are rounded to (BF16 in pair order).
+            let halves: Vec<half::f16> = x.iter().map(|&v| half::f16::from_f32(v)).collect();
+            let brains: Vec<half::bf16> = x.iter().map(|&v| half::bf16::from_f32(v)).collect();
             for (tier, kernel) in &kernels {
                 for (r, (w, values)) in rows.iter().enumerate() {
                     assert_eq!(
@@ -662,6 +665,18 @@ fn float_kernels_match_the_portable_code_bit_for_bit() {
                         want[r],
                         "{format:?} {n} values, {tier} dot of row {r}"
                     );
+                    let narrow = match format {
+                        FloatFormat::F16 => Some(kernel.dot(format, w, &halves)),
+                        FloatFormat::BF16 => Some(kernel.dot(format, w, &brains)),
+                        FloatFormat::F32 => None,
+                    };
+                    if let Some(got) = narrow {
+                        assert_eq!(
+                            got.to_bits(),
+                            want[r],
+                            "{format:?} {n} values, {tier} dot of row {r} on 16-bit activations"
+                        );
+                    }
                     assert_eq!(
                         float::dot_f32_portable(format, values, &x).to_bits(),
                         want[r],

@@ -5,7 +5,8 @@
 use std::arch::x86_64::*;
 
 use super::super::float::{
-    finish, fold16, shares, tile_columns, FloatFormat, LANES, PAIR_BLOCK, TILE_BLOCK, TILE_ROWS,
+    finish, fold16, shares, tile_columns, Activation, FloatFormat, LANES, PAIR_BLOCK, TILE_BLOCK,
+    TILE_ROWS,
 };
 use crate::cpu::Avx512;
 
@@ -113,7 +114,7 @@ pub(super) fn fold(acc: [__m512; 4]) -> f32 {
 }
 
 /// Weight row `w` (in `format`, `x.len()` values) against activation row `x`.
-pub(crate) fn dot(cpu: Avx512, format: FloatFormat, w: &[u8], x: &[f32]) -> f32 {
+pub(crate) fn dot<T: Activation>(cpu: Avx512, format: FloatFormat, w: &[u8], x: &[T]) -> f32 {
     let _ = cpu;
     assert!(
         w.len() >= x.len() * format.bytes(),
@@ -126,7 +127,7 @@ pub(crate) fn dot(cpu: Avx512, format: FloatFormat, w: &[u8], x: &[f32]) -> f32 
 /// # Safety
 /// `w` must hold `x.len()` values of `format`.
 #[target_feature(enable = "avx512f")]
-unsafe fn dot_avx512(format: FloatFormat, w: &[u8], x: &[f32]) -> f32 {
+unsafe fn dot_avx512<T: Activation>(format: FloatFormat, w: &[u8], x: &[T]) -> f32 {
     let k = x.len();
     let whole = k / LANES * LANES;
     let mut acc = [_mm512_setzero_ps(); 4];
@@ -139,8 +140,8 @@ unsafe fn dot_avx512(format: FloatFormat, w: &[u8], x: &[f32]) -> f32 {
                 // SAFETY: columns `i .. i + 128` of both rows.
                 unsafe {
                     let (odd, even) = load_pairs(wp.add(2 * (i + 32 * j)));
-                    *a = _mm512_fmadd_ps(odd, _mm512_loadu_ps(xp.add(i + 16 * j)), *a);
-                    *a = _mm512_fmadd_ps(even, _mm512_loadu_ps(xp.add(i + LANES + 16 * j)), *a);
+                    *a = _mm512_fmadd_ps(odd, load(T::FORMAT, xp.cast(), i + 16 * j), *a);
+                    *a = _mm512_fmadd_ps(even, load(T::FORMAT, xp.cast(), i + LANES + 16 * j), *a);
                 }
             }
             i += PAIR_BLOCK;
@@ -151,12 +152,12 @@ unsafe fn dot_avx512(format: FloatFormat, w: &[u8], x: &[f32]) -> f32 {
             // SAFETY: `i + 16 j + 16 <= whole <= k` values of both rows.
             unsafe {
                 let wv = load(format, wp, i + 16 * j);
-                *a = _mm512_fmadd_ps(wv, _mm512_loadu_ps(xp.add(i + 16 * j)), *a);
+                *a = _mm512_fmadd_ps(wv, load(T::FORMAT, xp.cast(), i + 16 * j), *a);
             }
         }
         i += LANES;
     }
-    let tail = (whole..k).map(|i| (format.at(w, i), x[i]));
+    let tail = (whole..k).map(|i| (format.at(w, i), x[i].value()));
     finish(format, fold(acc), tail)
 }
 

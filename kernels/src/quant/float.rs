@@ -37,10 +37,12 @@ pub(crate) const LANES: usize = 64;
 /// Most activation rows one [`FloatKernel::tile`] call takes: four register tiles of four.
 pub(crate) const TILE_ROWS: usize = 16;
 
-/// Columns each of a tile's passes covers before the next activation rows' turn (a multiple
-/// of 64): the four weight rows' block (8 KiB of f32) stays in the L1 cache while all
-/// [`TILE_ROWS`] activation rows meet it, where whole widened rows of a 2048- to 8192-wide
-/// layer (32 to 128 KiB) would be fetched from L2 again for every few activation rows.
+/// Columns each of the AVX2 tile's passes covers before the next activation rows' turn (a
+/// multiple of 64): the four weight rows' block (8 KiB of f32) stays in the L1 cache while
+/// all [`TILE_ROWS`] activation rows meet it, and each eighth's pass finds the lines the
+/// eighth before it half read, where whole widened rows of a 2048- to 8192-wide layer (32
+/// to 128 KiB) would be fetched from L2 again. Random 1.1B F16 prompt processing on Zen 4
+/// capped to AVX2: 512 columns 34–37 tok/s, whole rows 28–29.
 #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
 pub(crate) const TILE_BLOCK: usize = 512;
 

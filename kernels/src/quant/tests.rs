@@ -632,7 +632,7 @@ fn float_kernels_match_the_portable_code_bit_for_bit() {
         eprintln!("BF16 vdpbf16ps tiles not checked: no AVX-512 BF16 tier here (the CPU lacks it or FERRITE_CPU_TIER caps it)");
     }
     for format in [FloatFormat::F32, FloatFormat::F16, FloatFormat::BF16] {
-        for n in [1, 63, 64, 100, 128, 200, 576, 1000, 2300] {
+        for n in [1, 63, 64, 100, 128, 200, 576, 1000, 2300, 4200] {
             let rows: Vec<(Vec<u8>, Vec<f32>)> = (0..4)
                 .map(|s| {
                     // The widened rows in the order the kernels read them (BF16: pair order).

@@ -292,11 +292,15 @@ impl QuantMatrix {
         {
             return None;
         }
+        let mut data = Vec::with_capacity(parts.iter().map(|p| p.data.len()).sum());
+        for p in parts {
+            data.extend_from_slice(&p.data);
+        }
         Some(QuantMatrix {
             format: first.format,
             rows: parts.iter().map(|p| p.rows).sum(),
             cols: first.cols,
-            data: Bytes::Own(parts.iter().flat_map(|p| p.data.iter().copied()).collect()),
+            data: Bytes::Own(data),
             bf16_exponent: OnceLock::new(),
         })
     }

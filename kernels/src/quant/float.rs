@@ -766,7 +766,8 @@ impl QuantMatrix {
         let m = acts.x.len() / k.max(1);
         let pairs = kernel.pair_tiles(format);
         // Weight row `w` against activation row `i`: `vdpbf16ps` on the column-order BF16
-        // bits where this CPU has it for the format, else the kernel's dot product.
+        // bits where this CPU has it for the format, else the kernel's dot product (on the
+        // 16-bit values where they are kept).
         let dot = |w: &[u8], i: usize| match (pairs, acts.narrow) {
             (Some(pairs), _) => pairs.dot(w, &acts.columns[i * k..(i + 1) * k]),
             (None, Narrow::F16(x)) => kernel.dot(format, w, &x[i * k..(i + 1) * k]),

@@ -329,7 +329,8 @@ fn q5_avx2<const SIGNED: bool>(w: &[u8], a: &QuantizedRow) -> f32 {
     hsum8(lanes(acc)) + summs
 }
 
-/// Eight weights from `w` at value `i`, widened exactly.
+/// Eight values of `format` (weights, or activations as [`float::Activation::FORMAT`]
+/// names them) from `w` at value `i`, widened exactly.
 ///
 /// # Safety
 /// `w` must hold eight values of `format` from value `i` on.

@@ -684,12 +684,12 @@ impl QuantMatrix {
         // the 16-bit values it holds for F16 and BF16 weights, in half the bytes.
         let narrow = match format {
             FloatFormat::F16 if m == 1 => {
-                Narrow::F16(x.iter().map(|&v| f16::from_f32(v)).collect())
+                Some(Narrow::F16(x.iter().map(|&v| f16::from_f32(v)).collect()))
             }
             FloatFormat::BF16 if m == 1 && columns.is_empty() => {
-                Narrow::BF16(x.iter().map(|&v| bf16::from_f32(v)).collect())
+                Some(Narrow::BF16(x.iter().map(|&v| bf16::from_f32(v)).collect()))
             }
-            _ => Narrow::None,
+            _ => None,
         };
         let k = self.cols;
         let mut out = Buf::take(m * self.rows);
@@ -705,7 +705,7 @@ impl QuantMatrix {
                     let acts = Acts {
                         x,
                         columns: &columns,
-                        narrow: &narrow,
+                        narrow: narrow.as_ref(),
                     };
                     self.float_rows(
                         kernel,
@@ -728,7 +728,7 @@ impl QuantMatrix {
                     let acts = Acts {
                         x: &x[span.clone()],
                         columns: columns.get(span).unwrap_or_default(),
-                        narrow: &Narrow::None,
+                        narrow: None,
                     };
                     self.float_rows(kernel, format, 0..rows, acts, scratch, |i, r, v| {
                         dst[i * rows + r] = v
@@ -770,9 +770,9 @@ impl QuantMatrix {
         // 16-bit values where they are kept).
         let dot = |w: &[u8], i: usize| match (pairs, acts.narrow) {
             (Some(pairs), _) => pairs.dot(w, &acts.columns[i * k..(i + 1) * k]),
-            (None, Narrow::F16(x)) => kernel.dot(format, w, &x[i * k..(i + 1) * k]),
-            (None, Narrow::BF16(x)) => kernel.dot(format, w, &x[i * k..(i + 1) * k]),
-            (None, Narrow::None) => kernel.dot(format, w, &acts.x[i * k..(i + 1) * k]),
+            (None, Some(Narrow::F16(x))) => kernel.dot(format, w, &x[i * k..(i + 1) * k]),
+            (None, Some(Narrow::BF16(x))) => kernel.dot(format, w, &x[i * k..(i + 1) * k]),
+            (None, None) => kernel.dot(format, w, &acts.x[i * k..(i + 1) * k]),
         };
         if m == 1 {
             // One activation row: each weight row read once, as stored, one after the next —
@@ -851,16 +851,14 @@ struct Acts<'a> {
     x: &'a [f32],
     /// As BF16 in column order, for the `vdpbf16ps` kernels (empty otherwise).
     columns: &'a [u16],
-    /// One row's values in 16 bits, for the dot products, where the format has them.
-    narrow: &'a Narrow,
+    /// One row's values in 16 bits, for the dot products, where they are kept.
+    narrow: Option<&'a Narrow>,
 }
 
 /// An activation row's values (as [`FloatFormat::activations`] gives them) in the 16 bits
 /// they are rounded to, for the one-row dot products of F16 weights, and of BF16 weights
 /// where no `vdpbf16ps` kernel reads them as [`Acts::columns`].
 enum Narrow {
-    /// Not kept: the dot products read the f32 values.
-    None,
     /// An F16 product's activations.
     F16(Vec<f16>),
     /// A BF16 product's activations, in pair order.

@@ -657,7 +657,7 @@ fn float_kernels_match_the_portable_code_bit_for_bit() {
                 .collect();
             // The activations as the 16-bit values they are rounded to (BF16 in pair order).
             let halves: Vec<half::f16> = x.iter().map(|&v| half::f16::from_f32(v)).collect();
-            let brains: Vec<half::bf16> = x.iter().map(|&v| half::bf16::from_f32(v)).collect();
+            let bf16s: Vec<half::bf16> = x.iter().map(|&v| half::bf16::from_f32(v)).collect();
             for (tier, kernel) in &kernels {
                 for (r, (w, values)) in rows.iter().enumerate() {
                     assert_eq!(
@@ -667,7 +667,7 @@ fn float_kernels_match_the_portable_code_bit_for_bit() {
                     );
                     let narrow = match format {
                         FloatFormat::F16 => Some(kernel.dot(format, w, &halves)),
-                        FloatFormat::BF16 => Some(kernel.dot(format, w, &brains)),
+                        FloatFormat::BF16 => Some(kernel.dot(format, w, &bf16s)),
                         FloatFormat::F32 => None,
                     };
                     if let Some(got) = narrow {

@@ -9,7 +9,8 @@ use super::super::float::{
 };
 use crate::cpu::Avx512;
 
-/// Sixteen weights from `w` at value `i`, widened exactly.
+/// Sixteen values of `format` (weights, or activations as [`Activation::FORMAT`] names
+/// them) from `w` at value `i`, widened exactly.
 ///
 /// # Safety
 /// `w` must hold sixteen values of `format` from value `i` on.

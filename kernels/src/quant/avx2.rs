@@ -6,6 +6,7 @@ use std::arch::x86_64::*;
 
 use super::float::{self, Activation, FloatFormat};
 use super::portable::hsum8;
+use super::sse2::Carry;
 use super::{f16_at, BlockFormat, Dot, QuantizedRow, Tile, Unpacked, BLOCK};
 use crate::cpu::Avx2;
 
@@ -442,21 +443,23 @@ unsafe fn float_tile_avx2(
     let whole = k / float::LANES * float::LANES;
     let wp = [w[0].as_ptr(), w[1].as_ptr(), w[2].as_ptr(), w[3].as_ptr()];
     let pairs = x.len() / 2;
-    // `part[p][e][a][r]`: eighth `e`'s partial sums of activation row `2p + a` by weight
-    // row `r`, carried from one block of columns to the next.
-    let mut part = [[[[_mm256_setzero_ps(); 4]; 2]; 8]; float::TILE_ROWS / 2];
-    let passes = 8 * pairs * whole.div_ceil(float::TILE_BLOCK).max(1);
-    let mut ahead = float::shares(ahead, passes);
-    let mut from = 0;
-    while from < whole {
-        let to = (from + float::TILE_BLOCK).min(whole);
+    // `part[p][e]`, `[a][r]` of it: eighth `e`'s partial sums of activation row `2p + a` by
+    // weight row `r`, carried from one block of columns to the next.
+    let mut part = [[Carry::UNSET; 8]; float::TILE_ROWS / 2];
+    // At least one block, so every carry is put, even with no whole step.
+    let blocks = whole.div_ceil(float::TILE_BLOCK).max(1);
+    let mut ahead = float::shares(ahead, 8 * pairs * blocks);
+    for b in 0..blocks {
+        let block = float::TILE_BLOCK;
+        let (from, to) = (b * block, ((b + 1) * block).min(whole));
         for (p, part) in part.iter_mut().take(pairs).enumerate() {
             let xp = [x[2 * p].as_ptr(), x[2 * p + 1].as_ptr()];
             for (e, part) in part.iter_mut().enumerate() {
                 for line in ahead.next().unwrap_or_default().chunks(64) {
                     super::sse2::prefetch_line(line);
                 }
-                let mut acc = *part;
+                // SAFETY: the first block's pass put every carry the later ones start from.
+                let mut acc = unsafe { part.start(b == 0, [[_mm256_setzero_ps(); 4]; 2]) };
                 let mut i = from + 8 * e;
                 while i < to {
                     // SAFETY: `i + 8 <= to <= whole <= k` values of every row.
@@ -476,12 +479,13 @@ unsafe fn float_tile_avx2(
                     }
                     i += float::LANES;
                 }
-                *part = acc;
+                part.put(acc);
             }
         }
-        from = to;
     }
     for (p, part) in part.iter().take(pairs).enumerate() {
+        // SAFETY: the blocks put the carries of the first `pairs` pairs.
+        let part: [&[[__m256; 4]; 2]; 8] = std::array::from_fn(|e| unsafe { part[e].sums() });
         for a in 0..2 {
             let xa = x[2 * p + a];
             for r in 0..4 {

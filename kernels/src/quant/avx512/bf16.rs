@@ -9,6 +9,7 @@
 use std::arch::x86_64::*;
 
 use super::super::float::{bf16_to_f32, finish, shares, FloatFormat, LANES, PAIR_BLOCK, TILE_ROWS};
+use super::super::sse2::Carry;
 use super::float::{fold, fold4, load};
 use crate::cpu::Avx512Bf16;
 
@@ -117,21 +118,22 @@ unsafe fn tile_bf16(w: [&[u8]; 4], x: &[&[u16]], ahead: &[u8], out: &mut [[f32; 
     let whole = k / LANES * LANES;
     let wp = [w[0].as_ptr(), w[1].as_ptr(), w[2].as_ptr(), w[3].as_ptr()];
     let tiles = x.len() / 4;
-    // `part[t][q][a][r]`: quarter `q`'s partial sums of activation row `4t + a` by weight row
-    // `r`, carried from one block of columns to the next.
-    let mut part = [[[[_mm512_setzero_ps(); 4]; 4]; 4]; TILE_ROWS / 4];
-    let passes = 4 * tiles * paired.div_ceil(BLOCK).max(1);
-    let mut ahead = shares(ahead, passes);
-    let mut from = 0;
-    while from < paired {
-        let to = (from + BLOCK).min(paired);
+    // `part[t][q]`, `[a][r]` of it: quarter `q`'s partial sums of activation row `4t + a` by
+    // weight row `r`, carried from one block of columns to the next.
+    let mut part = [[Carry::UNSET; 4]; TILE_ROWS / 4];
+    // At least one block, so every carry is put, even with no whole pair block.
+    let blocks = paired.div_ceil(BLOCK).max(1);
+    let mut ahead = shares(ahead, 4 * tiles * blocks);
+    for b in 0..blocks {
+        let (from, to) = (b * BLOCK, ((b + 1) * BLOCK).min(paired));
         for (t, part) in part.iter_mut().take(tiles).enumerate() {
             let xp: [*const u16; 4] = std::array::from_fn(|a| x[4 * t + a].as_ptr());
             for (q, part) in part.iter_mut().enumerate() {
                 for line in ahead.next().unwrap_or_default().chunks(64) {
                     _mm_prefetch::<_MM_HINT_T0>(line.as_ptr().cast());
                 }
-                let mut acc = *part;
+                // SAFETY: the first block's pass put every carry the later ones start from.
+                let mut acc = unsafe { part.start(b == 0, [[_mm512_setzero_ps(); 4]; 4]) };
                 let mut i = from + 32 * q;
                 while i < to {
                     // SAFETY: columns `i .. i + 32 <= to <= k` of every row.
@@ -151,16 +153,17 @@ unsafe fn tile_bf16(w: [&[u8]; 4], x: &[&[u16]], ahead: &[u8], out: &mut [[f32; 
                     }
                     i += PAIR_BLOCK;
                 }
-                *part = acc;
+                part.put(acc);
             }
         }
-        from = to;
     }
     if paired < whole {
         // One step of 64 columns past the last whole block, in column order.
         for (t, part) in part.iter_mut().take(tiles).enumerate() {
             for (q, part) in part.iter_mut().enumerate() {
                 let i = paired + 16 * q;
+                // SAFETY: the blocks put the carries of the first `tiles` quads.
+                let mut sums = unsafe { *part.sums() };
                 for a in 0..4 {
                     // SAFETY: columns `i .. i + 16 <= whole <= k` of every row; activation
                     // bits are BF16's little-endian bytes.
@@ -168,14 +171,17 @@ unsafe fn tile_bf16(w: [&[u8]; 4], x: &[&[u16]], ahead: &[u8], out: &mut [[f32; 
                         let xv = load(FloatFormat::BF16, x[4 * t + a].as_ptr().cast(), i);
                         for r in 0..4 {
                             let wv = load(FloatFormat::BF16, wp[r], i);
-                            part[a][r] = _mm512_fmadd_ps(wv, xv, part[a][r]);
+                            sums[a][r] = _mm512_fmadd_ps(wv, xv, sums[a][r]);
                         }
                     }
                 }
+                part.put(sums);
             }
         }
     }
     for (t, part) in part.iter().take(tiles).enumerate() {
+        // SAFETY: the blocks put the carries of the first `tiles` quads.
+        let part: [&[[__m512; 4]; 4]; 4] = std::array::from_fn(|q| unsafe { part[q].sums() });
         for a in 0..4 {
             let xa = x[4 * t + a];
             let folded = fold4(std::array::from_fn(|r| {

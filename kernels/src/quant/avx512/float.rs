@@ -7,6 +7,7 @@ use std::arch::x86_64::*;
 use super::super::float::{
     finish, fold16, shares, tile_columns, Activation, FloatFormat, LANES, PAIR_BLOCK, TILE_ROWS,
 };
+use super::super::sse2::Carry;
 use crate::cpu::Avx512;
 
 /// Sixteen values of `format` (weights, or activations as [`Activation::FORMAT`] names
@@ -261,21 +262,22 @@ unsafe fn tile_avx512(
     let whole = k / LANES * LANES;
     let wp = [w[0].as_ptr(), w[1].as_ptr(), w[2].as_ptr(), w[3].as_ptr()];
     let tiles = x.len() / 4;
-    // `part[t][q][a][r]`: quarter `q`'s partial sums of activation row `4t + a` by weight row
-    // `r`, carried from one block of columns to the next.
-    let mut part = [[[[_mm512_setzero_ps(); 4]; 4]; 4]; TILE_ROWS / 4];
-    let passes = 4 * tiles * whole.div_ceil(BLOCK).max(1);
-    let mut ahead = shares(ahead, passes);
-    let mut from = 0;
-    while from < whole {
-        let to = (from + BLOCK).min(whole);
+    // `part[t][q]`, `[a][r]` of it: quarter `q`'s partial sums of activation row `4t + a` by
+    // weight row `r`, carried from one block of columns to the next.
+    let mut part = [[Carry::UNSET; 4]; TILE_ROWS / 4];
+    // At least one block, so every carry is put, even with no whole step.
+    let blocks = whole.div_ceil(BLOCK).max(1);
+    let mut ahead = shares(ahead, 4 * tiles * blocks);
+    for b in 0..blocks {
+        let (from, to) = (b * BLOCK, ((b + 1) * BLOCK).min(whole));
         for (t, part) in part.iter_mut().take(tiles).enumerate() {
             let xp: [*const f32; 4] = std::array::from_fn(|a| x[4 * t + a].as_ptr());
             for (q, part) in part.iter_mut().enumerate() {
                 for line in ahead.next().unwrap_or_default().chunks(64) {
                     _mm_prefetch::<_MM_HINT_T0>(line.as_ptr().cast());
                 }
-                let mut acc = *part;
+                // SAFETY: the first block's pass put every carry the later ones start from.
+                let mut acc = unsafe { part.start(b == 0, [[_mm512_setzero_ps(); 4]; 4]) };
                 let mut i = from + 16 * q;
                 while i < to {
                     // SAFETY: `i + 16 <= to <= whole <= k` values of every row.
@@ -295,12 +297,13 @@ unsafe fn tile_avx512(
                     }
                     i += LANES;
                 }
-                *part = acc;
+                part.put(acc);
             }
         }
-        from = to;
     }
     for (t, part) in part.iter().take(tiles).enumerate() {
+        // SAFETY: the blocks put the carries of the first `tiles` quads.
+        let part: [&[[__m512; 4]; 4]; 4] = std::array::from_fn(|q| unsafe { part[q].sums() });
         for a in 0..4 {
             let xa = x[4 * t + a];
             let folded = fold4(std::array::from_fn(|r| {

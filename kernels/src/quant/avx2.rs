@@ -447,10 +447,10 @@ unsafe fn float_tile_avx2(
     // weight row `r`, carried from one block of columns to the next.
     let mut part = [[Carry::UNSET; 8]; float::TILE_ROWS / 2];
     // At least one block, so every carry is put, even with no whole step.
-    let blocks = whole.div_ceil(float::TILE_BLOCK).max(1);
+    let block = float::TILE_BLOCK;
+    let blocks = whole.div_ceil(block).max(1);
     let mut ahead = float::shares(ahead, 8 * pairs * blocks);
     for b in 0..blocks {
-        let block = float::TILE_BLOCK;
         let (from, to) = (b * block, ((b + 1) * block).min(whole));
         for (p, part) in part.iter_mut().take(pairs).enumerate() {
             let xp = [x[2 * p].as_ptr(), x[2 * p + 1].as_ptr()];

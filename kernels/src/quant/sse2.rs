@@ -1,5 +1,6 @@
 //! What every x86-64 CPU runs (SSE and SSE2 are part of the baseline): the weight
-//! prefetch and unpacking 4-bit blocks for the buffered tiles.
+//! prefetch, unpacking 4-bit blocks for the buffered tiles, and the partial sums the float
+//! tiles carry between blocks of columns.
 
 use std::arch::x86_64::*;
 use std::mem::MaybeUninit;

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Part of make test: the kernels and the engine cross-built for aarch64-unknown-linux-gnu
-# (generic arm64: the portable kernels, which the compiler vectorises with NEON) and their
+# (generic arm64: the NEON tier, and the portable one it must equal bit for bit) and their
 # kernel tests, the tiny-model tests and the quantize-at-load tests run under qemu-user.
 # Speed on arm64 is not measured here: qemu emulates, it does not time. Needs the rustup
 # target (added here), Debian's gcc-aarch64-linux-gnu and qemu-user (installed here when
@@ -26,6 +26,6 @@ export CARGO_TARGET_AARCH64_UNKNOWN_LINUX_GNU_RUSTFLAGS="-C target-cpu=generic"
 export CC_aarch64_unknown_linux_gnu=aarch64-linux-gnu-gcc
 cd "$ROOT"
 CARGO=(cargo test --quiet --target "$TARGET" --target-dir target/aarch64)
-echo "arm64 under qemu-user: the kernels' portable tier (the only one arm64 has) against ggml's results and the tiny models"
+echo "arm64 under qemu-user: the kernels' NEON tier against the portable one and ggml's results, and the tiny models"
 "${CARGO[@]}" -p ferrite-kernels
 "${CARGO[@]}" -p ferrite-engine --test tiny_models --test quantize_at_load

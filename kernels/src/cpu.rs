@@ -16,15 +16,24 @@ pub struct Features {
     avx512_vnni: Option<Avx512Vnni>,
     #[cfg(target_arch = "x86_64")]
     avx512_bf16: Option<Avx512Bf16>,
+    #[cfg(target_arch = "aarch64")]
+    neon: Option<Neon>,
 }
 
-/// The environment variable that caps the tiers used (`portable`, `avx2`, `avx512`,
-/// `avx512-vnni` or `avx512-bf16`): to measure or test a lower tier on a CPU that has higher
-/// ones.
+/// The environment variable that caps the tiers used (on x86-64 `portable`, `avx2`, `avx512`,
+/// `avx512-vnni` or `avx512-bf16`; on arm64 `portable` or `neon`): to measure or test a lower
+/// tier on a CPU that has higher ones.
 pub const TIER_CAP_VAR: &str = "FERRITE_CPU_TIER";
 
 /// The tiers each name of [`TIER_CAP_VAR`] allows, lowest first.
-const TIER_NAMES: [&str; 5] = ["portable", "avx2", "avx512", "avx512-vnni", "avx512-bf16"];
+#[cfg(target_arch = "x86_64")]
+const TIER_NAMES: &[&str] = &["portable", "avx2", "avx512", "avx512-vnni", "avx512-bf16"];
+/// The tiers each name of [`TIER_CAP_VAR`] allows, lowest first.
+#[cfg(target_arch = "aarch64")]
+const TIER_NAMES: &[&str] = &["portable", "neon"];
+/// The tiers each name of [`TIER_CAP_VAR`] allows, lowest first.
+#[cfg(not(any(target_arch = "x86_64", target_arch = "aarch64")))]
+const TIER_NAMES: &[&str] = &["portable"];
 
 /// The CPU's tiers, checked at the first call and remembered, capped by
 /// [`TIER_CAP_VAR`] when it names a tier.
@@ -78,7 +87,13 @@ impl Features {
         }
     }
 
-    #[cfg(not(target_arch = "x86_64"))]
+    #[cfg(target_arch = "aarch64")]
+    fn probe() -> Self {
+        let neon = std::arch::is_aarch64_feature_detected!("neon").then_some(Neon(()));
+        Features { neon }
+    }
+
+    #[cfg(not(any(target_arch = "x86_64", target_arch = "aarch64")))]
     fn probe() -> Self {
         Features {}
     }
@@ -103,7 +118,15 @@ impl Features {
             }
             f
         }
-        #[cfg(not(target_arch = "x86_64"))]
+        #[cfg(target_arch = "aarch64")]
+        {
+            let mut f = self;
+            if tiers < 2 {
+                f.neon = None;
+            }
+            f
+        }
+        #[cfg(not(any(target_arch = "x86_64", target_arch = "aarch64")))]
         self
     }
 
@@ -131,10 +154,19 @@ impl Features {
         self.avx512_bf16
     }
 
+    /// NEON (Advanced SIMD), which every arm64 CPU has, if present.
+    #[cfg(target_arch = "aarch64")]
+    pub fn neon(self) -> Option<Neon> {
+        self.neon
+    }
+
     /// The tiers present, lowest first (`portable` always), as benchmark tables and kernel
     /// tests name them.
     pub fn tiers(self) -> Vec<&'static str> {
-        #[cfg_attr(not(target_arch = "x86_64"), allow(unused_mut))]
+        #[cfg_attr(
+            not(any(target_arch = "x86_64", target_arch = "aarch64")),
+            allow(unused_mut)
+        )]
         let mut tiers = vec!["portable"];
         #[cfg(target_arch = "x86_64")]
         {
@@ -143,6 +175,8 @@ impl Features {
             tiers.extend(self.avx512_vnni.map(|_| "avx512-vnni"));
             tiers.extend(self.avx512_bf16.map(|_| "avx512-bf16"));
         }
+        #[cfg(target_arch = "aarch64")]
+        tiers.extend(self.neon.map(|_| "neon"));
         tiers
     }
 }
@@ -166,6 +200,11 @@ pub struct Avx512Vnni(());
 #[cfg(target_arch = "x86_64")]
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Avx512Bf16(());
+
+/// Proof that the CPU runs NEON (Advanced SIMD, with its fused multiply-adds).
+#[cfg(target_arch = "aarch64")]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Neon(());
 
 #[cfg(target_arch = "x86_64")]
 impl Avx512Bf16 {
@@ -218,6 +257,8 @@ mod tests {
                     + usize::from(f.avx512_bf16().is_some())
             );
         }
+        #[cfg(target_arch = "aarch64")]
+        assert_eq!(tiers.len(), 1 + usize::from(f.neon().is_some()));
         eprintln!("kernel tiers this CPU runs: {}", tiers.join(", "));
     }
 
@@ -232,12 +273,23 @@ mod tests {
             assert!(all.capped(4).avx512_bf16().is_none());
             assert_eq!(avx2.avx2(), all.avx2());
         }
+        #[cfg(target_arch = "aarch64")]
+        assert!(all.capped(1).neon().is_none());
         assert_eq!(all.capped(TIER_NAMES.len()), all);
         // A name allows its own tier and those below it.
         assert_eq!(tiers_up_to("portable"), Some(1));
-        assert_eq!(tiers_up_to("avx2"), Some(2));
-        assert_eq!(tiers_up_to("avx512-vnni"), Some(4));
-        assert_eq!(tiers_up_to("avx512-bf16"), Some(5));
+        #[cfg(target_arch = "x86_64")]
+        {
+            assert_eq!(tiers_up_to("avx2"), Some(2));
+            assert_eq!(tiers_up_to("avx512-vnni"), Some(4));
+            assert_eq!(tiers_up_to("avx512-bf16"), Some(5));
+            assert_eq!(tiers_up_to("neon"), None);
+        }
+        #[cfg(target_arch = "aarch64")]
+        {
+            assert_eq!(tiers_up_to("neon"), Some(2));
+            assert_eq!(tiers_up_to("avx2"), None);
+        }
         assert_eq!(tiers_up_to("sse9"), None);
         #[cfg(target_arch = "x86_64")]
         if all.avx2().is_some() {

@@ -207,7 +207,10 @@ pub(crate) fn bf16_to_f32(bits: u16) -> f32 {
 /// shares the L1 cache with the weights streaming past.
 pub(crate) trait Activation: Copy + Sync {
     /// The encoding of the values, as the vector kernels widen it.
-    #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
+    #[cfg_attr(
+        not(any(target_arch = "x86_64", target_arch = "aarch64")),
+        allow(dead_code)
+    )]
     const FORMAT: FloatFormat;
     /// The value, exactly.
     fn value(self) -> f32;
@@ -447,6 +450,9 @@ pub(crate) enum FloatKernel {
     /// [`pairs_exact`] holds (the caller's check).
     #[cfg(target_arch = "x86_64")]
     Avx512Bf16(cpu::Avx512Bf16),
+    /// Sixteen 4-lane accumulators per output (arm64).
+    #[cfg(target_arch = "aarch64")]
+    Neon(cpu::Neon),
 }
 
 impl FloatKernel {
@@ -463,6 +469,10 @@ impl FloatKernel {
             if let Some(cpu) = features.avx2() {
                 return FloatKernel::Avx2(cpu);
             }
+        }
+        #[cfg(target_arch = "aarch64")]
+        if let Some(cpu) = features.neon() {
+            return FloatKernel::Neon(cpu);
         }
         let _ = features;
         FloatKernel::Portable
@@ -521,6 +531,8 @@ impl FloatKernel {
             // ones the multiply-adds compute the same bits.
             #[cfg(target_arch = "x86_64")]
             FloatKernel::Avx512Bf16(cpu) => super::avx512::float::dot(cpu.avx512(), format, w, x),
+            #[cfg(target_arch = "aarch64")]
+            FloatKernel::Neon(cpu) => super::neon::float_dot(cpu, format, w, x),
         }
     }
 
@@ -544,6 +556,12 @@ impl FloatKernel {
             }
             #[cfg(target_arch = "x86_64")]
             FloatKernel::Avx2(cpu) => super::avx2::float_tile(cpu, format, w, x, ahead, out),
+            #[cfg(target_arch = "aarch64")]
+            FloatKernel::Neon(_) => {
+                for (o, x) in out.iter_mut().zip(x) {
+                    *o = self.quad(format, w, x);
+                }
+            }
             FloatKernel::Portable => {
                 super::prefetch(ahead);
                 for (o, x) in out.iter_mut().zip(x) {
@@ -573,6 +591,8 @@ impl FloatKernel {
             }
             #[cfg(target_arch = "x86_64")]
             FloatKernel::Avx2(cpu) => super::avx2::float_widen_paired(cpu, head_row, head),
+            #[cfg(target_arch = "aarch64")]
+            FloatKernel::Neon(cpu) => super::neon::float_widen_paired(cpu, head_row, head),
             FloatKernel::Portable => format.widen_paired(head_row, head),
         }
         let done = match self {
@@ -584,6 +604,8 @@ impl FloatKernel {
             }
             #[cfg(target_arch = "x86_64")]
             FloatKernel::Avx2(cpu) => super::avx2::float_widen(cpu, format, row, out),
+            #[cfg(target_arch = "aarch64")]
+            FloatKernel::Neon(cpu) => super::neon::float_widen(cpu, format, row, out),
             FloatKernel::Portable => 0,
         };
         for (i, v) in out.iter_mut().enumerate().skip(done) {
@@ -601,6 +623,8 @@ impl FloatKernel {
             FloatKernel::Avx512(cpu) => super::avx512::float::quad(cpu, format, w, x),
             #[cfg(target_arch = "x86_64")]
             FloatKernel::Avx512Bf16(cpu) => super::avx512::float::quad(cpu.avx512(), format, w, x),
+            #[cfg(target_arch = "aarch64")]
+            FloatKernel::Neon(cpu) => super::neon::float_quad(cpu, format, w, x),
         }
     }
 }

@@ -12,8 +12,8 @@
 //!
 //! This module holds the matrix type and how a product is planned; the arithmetic lives
 //! in one file per instruction set — [`portable`] (the reference every other tier equals
-//! bit for bit), `sse2`, `avx2` and `avx512` — each chosen at run time through
-//! [`crate::cpu`]'s tokens.
+//! bit for bit), `sse2`, `avx2` and `avx512` on x86-64, `neon` on arm64 — each chosen at
+//! run time through [`crate::cpu`]'s tokens.
 
 use std::ops::{Deref, Range};
 use std::sync::{Arc, OnceLock};
@@ -33,6 +33,9 @@ mod avx2;
 mod avx512;
 pub mod float;
 pub mod kquant;
+#[cfg(target_arch = "aarch64")]
+#[allow(unsafe_code)]
+mod neon;
 pub(crate) mod portable;
 mod q5;
 pub mod quantize;
@@ -145,6 +148,10 @@ impl Batched {
 
     /// The single-row dot product on the best tier `features` has.
     fn dot(self, features: cpu::Features) -> Dot {
+        #[cfg(target_arch = "aarch64")]
+        if let Some(cpu) = features.neon() {
+            return neon::dot(cpu, self);
+        }
         match self {
             Batched::Block(f) => dot_kernel(features, f),
             Batched::Q5_0 => q5_dot(features, true),
@@ -825,6 +832,10 @@ fn tile_kernel(features: cpu::Features) -> Tile {
     if let Some(cpu) = features.avx2() {
         return avx2::tile(cpu);
     }
+    #[cfg(target_arch = "aarch64")]
+    if let Some(cpu) = features.neon() {
+        return neon::tile(cpu);
+    }
     let _ = features;
     tile_portable
 }
@@ -842,6 +853,10 @@ fn q5_dot(features: cpu::Features, signed: bool) -> Dot {
     #[cfg(target_arch = "x86_64")]
     if let Some(cpu) = features.avx2() {
         return avx2::dot_q5(cpu, signed);
+    }
+    #[cfg(target_arch = "aarch64")]
+    if let Some(cpu) = features.neon() {
+        return neon::dot(cpu, if signed { Batched::Q5_0 } else { Batched::Q5_1 });
     }
     let _ = features;
     if signed {
@@ -863,7 +878,9 @@ const KQUANT_TILE_MIN_ROWS: usize = 2;
 fn kquant_tile(features: cpu::Features, format: KFormat) -> Option<PairTile<kquant::Q8KRow>> {
     #[cfg(target_arch = "x86_64")]
     return kquant::tile::tile(features, format);
-    #[cfg(not(target_arch = "x86_64"))]
+    #[cfg(target_arch = "aarch64")]
+    return features.neon().map(|cpu| kquant::neon::tile(cpu, format));
+    #[cfg(not(any(target_arch = "x86_64", target_arch = "aarch64")))]
     {
         let _ = (features, format);
         None
@@ -875,6 +892,10 @@ fn kquant_dot(features: cpu::Features, format: KFormat) -> fn(&[u8], &kquant::Q8
     #[cfg(target_arch = "x86_64")]
     if let Some(cpu) = features.avx2() {
         return kquant::avx2::dot(cpu, format);
+    }
+    #[cfg(target_arch = "aarch64")]
+    if let Some(cpu) = features.neon() {
+        return kquant::neon::dot(cpu, format);
     }
     let _ = features;
     kquant::dot(format)
@@ -890,6 +911,10 @@ fn dot_kernel(features: cpu::Features, format: BlockFormat) -> Dot {
     #[cfg(target_arch = "x86_64")]
     if let Some(cpu) = features.avx2() {
         return avx2::dot(cpu, format);
+    }
+    #[cfg(target_arch = "aarch64")]
+    if let Some(cpu) = features.neon() {
+        return neon::dot(cpu, Batched::Block(format));
     }
     let _ = features;
     match format {
@@ -918,13 +943,20 @@ pub fn quantize_row(x: &[f32], with_sums: bool) -> QuantizedRow {
     };
     #[cfg(target_arch = "x86_64")]
     let simd = cpu::detect().avx2();
+    #[cfg(target_arch = "aarch64")]
+    let simd = cpu::detect().neon();
     for (block, q) in x.chunks_exact(BLOCK).zip(row.q.chunks_exact_mut(BLOCK)) {
         #[cfg(target_arch = "x86_64")]
         let (d, sum) = match simd {
             Some(cpu) => avx2::quantize_block(cpu, block, q),
             None => quantize_block(block, q),
         };
-        #[cfg(not(target_arch = "x86_64"))]
+        #[cfg(target_arch = "aarch64")]
+        let (d, sum) = match simd {
+            Some(cpu) => neon::quantize_block(cpu, block, q),
+            None => quantize_block(block, q),
+        };
+        #[cfg(not(any(target_arch = "x86_64", target_arch = "aarch64")))]
         let (d, sum) = quantize_block(block, q);
         row.d.push(f16::from_f32(d).to_f32());
         if with_sums {

@@ -137,7 +137,10 @@ fn every_kernel_matches_the_portable_code_bit_for_bit() {
         .collect();
     let bits = |v: f32| v.to_bits();
     let features = cpu::detect();
-    #[cfg_attr(not(target_arch = "x86_64"), allow(unused_mut))]
+    #[cfg_attr(
+        not(any(target_arch = "x86_64", target_arch = "aarch64")),
+        allow(unused_mut)
+    )]
     let mut dots: Vec<(&str, DotFor)> = vec![("portable", |fmt| match fmt {
         BlockFormat::Q4_1 => dot_q4_1,
         BlockFormat::Q4_0 => dot_q4_0,
@@ -155,6 +158,12 @@ fn every_kernel_matches_the_portable_code_bit_for_bit() {
                 avx512::dot(cpu::detect().avx512_vnni().expect("vnni"), fmt)
             }));
         }
+    }
+    #[cfg(target_arch = "aarch64")]
+    if features.neon().is_some() {
+        dots.push(("neon", |fmt| {
+            neon::dot(cpu::detect().neon().expect("neon"), Batched::Block(fmt))
+        }));
     }
     let names: Vec<&str> = dots.iter().map(|(name, _)| *name).collect();
     eprintln!(
@@ -207,10 +216,15 @@ fn every_kernel_matches_the_portable_code_bit_for_bit() {
                     assert_eq!(o.map(bits).to_vec(), want, "{fmt:?} packed tile of {n}");
                 }
             }
-            #[cfg_attr(not(target_arch = "x86_64"), allow(unused_mut))]
+            #[cfg_attr(
+                not(any(target_arch = "x86_64", target_arch = "aarch64")),
+                allow(unused_mut)
+            )]
             let mut kernels: Vec<Tile> = vec![tile_kernel(features), tile_portable];
             #[cfg(target_arch = "x86_64")]
             kernels.extend(features.avx2().map(avx2::tile));
+            #[cfg(target_arch = "aarch64")]
+            kernels.extend(features.neon().map(neon::tile));
             for kernel in kernels {
                 let mut out = vec![[0f32; 4]; n];
                 kernel(&u, &acts, &mut out);
@@ -237,11 +251,24 @@ fn vector_activation_quantization_matches_the_scalar_code() {
     x[2 * BLOCK] = -1e30;
     for (b, block) in x.chunks_exact(BLOCK).enumerate() {
         let (mut scalar, mut wide) = ([0i8; BLOCK], [0i8; BLOCK]);
-        #[cfg_attr(not(target_arch = "x86_64"), allow(unused_variables))]
+        #[cfg_attr(
+            not(any(target_arch = "x86_64", target_arch = "aarch64")),
+            allow(unused_variables)
+        )]
         let want = quantize_block(block, &mut scalar);
         #[cfg(target_arch = "x86_64")]
         if let Some(cpu) = cpu::detect().avx2() {
             let got = avx2::quantize_block(cpu, block, &mut wide);
+            assert_eq!(
+                (got.0.to_bits(), got.1),
+                (want.0.to_bits(), want.1),
+                "block {b}"
+            );
+            assert_eq!(wide, scalar, "block {b}");
+        }
+        #[cfg(target_arch = "aarch64")]
+        if let Some(cpu) = cpu::detect().neon() {
+            let got = neon::quantize_block(cpu, block, &mut wide);
             assert_eq!(
                 (got.0.to_bits(), got.1),
                 (want.0.to_bits(), want.1),
@@ -465,6 +492,11 @@ fn k_quants_compute_what_ggml_computes_bit_for_bit() {
                 let v = kquant::avx2::dot(cpu, format)(&row.weights, &a);
                 assert_eq!(v.to_bits(), row.dot.to_bits(), "{name} row {r}: AVX2 dot");
             }
+            #[cfg(target_arch = "aarch64")]
+            if let Some(cpu) = cpu::detect().neon() {
+                let v = kquant::neon::dot(cpu, format)(&row.weights, &a);
+                assert_eq!(v.to_bits(), row.dot.to_bits(), "{name} row {r}: NEON dot");
+            }
             let m = QuantMatrix::from_gguf(WeightFormat::K(format), 1, row.x.len(), &row.weights)
                 .expect("sizes");
             assert_eq!(
@@ -513,10 +545,19 @@ fn the_5_bit_formats_compute_what_ggml_computes_bit_for_bit() {
         let signed = format == WeightFormat::Q5_0;
         for (r, row) in ggml::rows(name).iter().enumerate() {
             let a = quantize_row(&row.x, !signed);
-            #[cfg_attr(not(target_arch = "x86_64"), allow(unused_mut))]
+            #[cfg_attr(
+                not(any(target_arch = "x86_64", target_arch = "aarch64")),
+                allow(unused_mut)
+            )]
             let mut dots = vec![if signed { q5::dot_q5_0 } else { q5::dot_q5_1 }];
             #[cfg(target_arch = "x86_64")]
             dots.extend(cpu::detect().avx2().map(|cpu| avx2::dot_q5(cpu, signed)));
+            #[cfg(target_arch = "aarch64")]
+            dots.extend(
+                cpu::detect()
+                    .neon()
+                    .map(|cpu| neon::dot(cpu, if signed { Batched::Q5_0 } else { Batched::Q5_1 })),
+            );
             for dot in dots {
                 let got = dot(&row.weights, &a);
                 assert_eq!(got.to_bits(), row.dot.to_bits(), "{name} row {r}: dot");
@@ -561,7 +602,10 @@ fn weights_quantized_at_load_are_the_blocks_llama_cpp_writes() {
 
 /// Every float kernel this CPU has, portable first, with the tier's name.
 fn float_kernels() -> Vec<(&'static str, float::FloatKernel)> {
-    #[cfg_attr(not(target_arch = "x86_64"), allow(unused_mut))]
+    #[cfg_attr(
+        not(any(target_arch = "x86_64", target_arch = "aarch64")),
+        allow(unused_mut)
+    )]
     let mut kernels = vec![("portable", float::FloatKernel::Portable)];
     #[cfg(target_arch = "x86_64")]
     {
@@ -582,6 +626,12 @@ fn float_kernels() -> Vec<(&'static str, float::FloatKernel)> {
                 .map(|c| ("avx512-bf16", float::FloatKernel::Avx512Bf16(c))),
         );
     }
+    #[cfg(target_arch = "aarch64")]
+    kernels.extend(
+        cpu::detect()
+            .neon()
+            .map(|c| ("neon", float::FloatKernel::Neon(c))),
+    );
     let names: Vec<&str> = kernels.iter().map(|(n, _)| *n).collect();
     eprintln!("float kernels checked on this CPU: {}", names.join(", "));
     kernels
@@ -981,13 +1031,22 @@ fn dot_products_never_allocate() {
         let rows = ggml::rows(name);
         let row = &rows[0];
         let a = kquant::quantize_row_q8k(&row.x);
-        #[cfg_attr(not(target_arch = "x86_64"), allow(unused_mut))]
+        #[cfg_attr(
+            not(any(target_arch = "x86_64", target_arch = "aarch64")),
+            allow(unused_mut)
+        )]
         let mut dots = vec![("portable", kquant::dot(format))];
         #[cfg(target_arch = "x86_64")]
         dots.extend(
             cpu::detect()
                 .avx2()
                 .map(|cpu| ("avx2", kquant::avx2::dot(cpu, format))),
+        );
+        #[cfg(target_arch = "aarch64")]
+        dots.extend(
+            cpu::detect()
+                .neon()
+                .map(|cpu| ("neon", kquant::neon::dot(cpu, format))),
         );
         for (tier, dot) in dots {
             let n = allocations::during(|| {
@@ -1035,7 +1094,10 @@ fn k_quant_tiles_give_every_pair_its_dot_product_bit_for_bit() {
     let features = cpu::detect();
     // Each tier's tile for a format, if this CPU has the tier.
     type TileFor = fn(KFormat) -> Option<PairTile<kquant::Q8KRow>>;
-    #[cfg_attr(not(target_arch = "x86_64"), allow(unused_mut))]
+    #[cfg_attr(
+        not(any(target_arch = "x86_64", target_arch = "aarch64")),
+        allow(unused_mut)
+    )]
     let mut tiers: Vec<(&str, TileFor)> = Vec::new();
     #[cfg(target_arch = "x86_64")]
     {
@@ -1046,8 +1108,15 @@ fn k_quant_tiles_give_every_pair_its_dot_product_bit_for_bit() {
                 .map(|cpu| kquant::tile::tile_avx2(cpu, f))
         }));
     }
-    if features.tiers().len() < 2 {
-        eprintln!("K-quant tiles: this CPU has no AVX2, only the pairwise path was checked");
+    #[cfg(target_arch = "aarch64")]
+    tiers.push(("neon", |f| {
+        cpu::detect().neon().map(|cpu| kquant::neon::tile(cpu, f))
+    }));
+    if tiers.iter().all(|(_, tile)| tile(KFormat::Q4K).is_none()) {
+        eprintln!(
+            "K-quant tiles: no vector tier here ({}; the CPU lacks one or FERRITE_CPU_TIER caps it), only the pairwise path was checked",
+            features.tiers().join(", ")
+        );
     }
     let cols = 3 * kquant::QK_K;
     for (format, name) in ggml::K_FORMATS {

@@ -6,12 +6,15 @@
 //! of `madd`), the same fused multiply-adds of each lane into eight f32 accumulators, and
 //! the same final reduction. ggml has no other x86 version of these (its AVX-512 builds use
 //! the AVX2 code too), so this is llama.cpp's arithmetic on every x86 CPU; [`avx2`] is the
-//! same with the instructions themselves. The tests hold both to ggml's own outputs
-//! (`tests/fixtures/ggml-reference.json`).
+//! same with the instructions themselves, [`neon`] the same lanes on arm64. The tests hold
+//! them to ggml's own outputs (`tests/fixtures/ggml-reference.json`).
 
 #[cfg(target_arch = "x86_64")]
 #[allow(unsafe_code)]
 pub(super) mod avx2;
+#[cfg(target_arch = "aarch64")]
+#[allow(unsafe_code)]
+pub(super) mod neon;
 #[cfg(target_arch = "x86_64")]
 #[allow(unsafe_code)]
 pub(super) mod tile;

@@ -18,10 +18,13 @@ pub struct Features {
     avx512_bf16: Option<Avx512Bf16>,
     #[cfg(target_arch = "aarch64")]
     neon: Option<Neon>,
+    #[cfg(target_arch = "aarch64")]
+    neon_dotprod: Option<NeonDotprod>,
 }
 
 /// The environment variable that caps the tiers used (on x86-64 `portable`, `avx2`, `avx512`,
-/// `avx512-vnni` or `avx512-bf16`; on arm64 `portable` or `neon`): to measure or test a lower
+/// `avx512-vnni` or `avx512-bf16`; on arm64 `portable`, `neon` or `neon-dotprod`): to measure
+/// or test a lower
 /// tier on a CPU that has higher ones.
 pub const TIER_CAP_VAR: &str = "FERRITE_CPU_TIER";
 
@@ -30,7 +33,7 @@ pub const TIER_CAP_VAR: &str = "FERRITE_CPU_TIER";
 const TIER_NAMES: &[&str] = &["portable", "avx2", "avx512", "avx512-vnni", "avx512-bf16"];
 /// The tiers each name of [`TIER_CAP_VAR`] allows, lowest first.
 #[cfg(target_arch = "aarch64")]
-const TIER_NAMES: &[&str] = &["portable", "neon"];
+const TIER_NAMES: &[&str] = &["portable", "neon", "neon-dotprod"];
 /// The tiers each name of [`TIER_CAP_VAR`] allows, lowest first.
 #[cfg(not(any(target_arch = "x86_64", target_arch = "aarch64")))]
 const TIER_NAMES: &[&str] = &["portable"];
@@ -89,8 +92,10 @@ impl Features {
 
     #[cfg(target_arch = "aarch64")]
     fn probe() -> Self {
-        let neon = std::arch::is_aarch64_feature_detected!("neon").then_some(Neon(()));
-        Features { neon }
+        use std::arch::is_aarch64_feature_detected as has;
+        let neon = has!("neon").then_some(Neon(()));
+        let neon_dotprod = neon.filter(|_| has!("dotprod")).map(|_| NeonDotprod(()));
+        Features { neon, neon_dotprod }
     }
 
     #[cfg(not(any(target_arch = "x86_64", target_arch = "aarch64")))]
@@ -123,6 +128,9 @@ impl Features {
             let mut f = self;
             if tiers < 2 {
                 f.neon = None;
+            }
+            if tiers < 3 {
+                f.neon_dotprod = None;
             }
             f
         }
@@ -160,6 +168,12 @@ impl Features {
         self.neon
     }
 
+    /// NEON with the dot product instructions (`sdot`, Armv8.2's DotProd), if present.
+    #[cfg(target_arch = "aarch64")]
+    pub fn neon_dotprod(self) -> Option<NeonDotprod> {
+        self.neon_dotprod
+    }
+
     /// The tiers present, lowest first (`portable` always), as benchmark tables and kernel
     /// tests name them.
     pub fn tiers(self) -> Vec<&'static str> {
@@ -176,7 +190,10 @@ impl Features {
             tiers.extend(self.avx512_bf16.map(|_| "avx512-bf16"));
         }
         #[cfg(target_arch = "aarch64")]
-        tiers.extend(self.neon.map(|_| "neon"));
+        {
+            tiers.extend(self.neon.map(|_| "neon"));
+            tiers.extend(self.neon_dotprod.map(|_| "neon-dotprod"));
+        }
         tiers
     }
 }
@@ -205,6 +222,19 @@ pub struct Avx512Bf16(());
 #[cfg(target_arch = "aarch64")]
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Neon(());
+
+/// Proof that the CPU runs NEON's dot product instructions (`sdot`), and the NEON tier.
+#[cfg(target_arch = "aarch64")]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct NeonDotprod(());
+
+#[cfg(target_arch = "aarch64")]
+impl NeonDotprod {
+    /// The NEON tier below it.
+    pub fn neon(self) -> Neon {
+        Neon(())
+    }
+}
 
 #[cfg(target_arch = "x86_64")]
 impl Avx512Bf16 {
@@ -258,7 +288,13 @@ mod tests {
             );
         }
         #[cfg(target_arch = "aarch64")]
-        assert_eq!(tiers.len(), 1 + usize::from(f.neon().is_some()));
+        {
+            assert!(f.neon_dotprod().is_none() || f.neon().is_some());
+            assert_eq!(
+                tiers.len(),
+                1 + usize::from(f.neon().is_some()) + usize::from(f.neon_dotprod().is_some())
+            );
+        }
         eprintln!("kernel tiers this CPU runs: {}", tiers.join(", "));
     }
 
@@ -274,7 +310,11 @@ mod tests {
             assert_eq!(avx2.avx2(), all.avx2());
         }
         #[cfg(target_arch = "aarch64")]
-        assert!(all.capped(1).neon().is_none());
+        {
+            assert!(all.capped(1).neon().is_none());
+            assert!(all.capped(2).neon_dotprod().is_none());
+            assert_eq!(all.capped(2).neon(), all.neon());
+        }
         assert_eq!(all.capped(TIER_NAMES.len()), all);
         // A name allows its own tier and those below it.
         assert_eq!(tiers_up_to("portable"), Some(1));
@@ -288,6 +328,7 @@ mod tests {
         #[cfg(target_arch = "aarch64")]
         {
             assert_eq!(tiers_up_to("neon"), Some(2));
+            assert_eq!(tiers_up_to("neon-dotprod"), Some(3));
             assert_eq!(tiers_up_to("avx2"), None);
         }
         assert_eq!(tiers_up_to("sse9"), None);

@@ -149,8 +149,8 @@ impl Batched {
     /// The single-row dot product on the best tier `features` has.
     fn dot(self, features: cpu::Features) -> Dot {
         #[cfg(target_arch = "aarch64")]
-        if let Some(cpu) = features.neon() {
-            return neon::dot(cpu, self);
+        if let Some(dot) = neon::best_dot(features, self) {
+            return dot;
         }
         match self {
             Batched::Block(f) => dot_kernel(features, f),
@@ -833,8 +833,8 @@ fn tile_kernel(features: cpu::Features) -> Tile {
         return avx2::tile(cpu);
     }
     #[cfg(target_arch = "aarch64")]
-    if let Some(cpu) = features.neon() {
-        return neon::tile(cpu);
+    if let Some(tile) = neon::best_tile(features) {
+        return tile;
     }
     let _ = features;
     tile_portable
@@ -855,8 +855,9 @@ fn q5_dot(features: cpu::Features, signed: bool) -> Dot {
         return avx2::dot_q5(cpu, signed);
     }
     #[cfg(target_arch = "aarch64")]
-    if let Some(cpu) = features.neon() {
-        return neon::dot(cpu, if signed { Batched::Q5_0 } else { Batched::Q5_1 });
+    if let Some(dot) = neon::best_dot(features, if signed { Batched::Q5_0 } else { Batched::Q5_1 })
+    {
+        return dot;
     }
     let _ = features;
     if signed {
@@ -879,7 +880,7 @@ fn kquant_tile(features: cpu::Features, format: KFormat) -> Option<PairTile<kqua
     #[cfg(target_arch = "x86_64")]
     return kquant::tile::tile(features, format);
     #[cfg(target_arch = "aarch64")]
-    return features.neon().map(|cpu| kquant::neon::tile(cpu, format));
+    return kquant::neon::best_tile(features, format);
     #[cfg(not(any(target_arch = "x86_64", target_arch = "aarch64")))]
     {
         let _ = (features, format);
@@ -894,8 +895,8 @@ fn kquant_dot(features: cpu::Features, format: KFormat) -> fn(&[u8], &kquant::Q8
         return kquant::avx2::dot(cpu, format);
     }
     #[cfg(target_arch = "aarch64")]
-    if let Some(cpu) = features.neon() {
-        return kquant::neon::dot(cpu, format);
+    if let Some(dot) = kquant::neon::best_dot(features, format) {
+        return dot;
     }
     let _ = features;
     kquant::dot(format)
@@ -913,8 +914,8 @@ fn dot_kernel(features: cpu::Features, format: BlockFormat) -> Dot {
         return avx2::dot(cpu, format);
     }
     #[cfg(target_arch = "aarch64")]
-    if let Some(cpu) = features.neon() {
-        return neon::dot(cpu, Batched::Block(format));
+    if let Some(dot) = neon::best_dot(features, Batched::Block(format)) {
+        return dot;
     }
     let _ = features;
     match format {

@@ -3,17 +3,35 @@
 //! portable code's arithmetic bit for bit. A block's eight integer lanes of four products
 //! are widening byte multiplies (`smull`) added pairwise twice — exact sums, so the same
 //! lanes whatever the order — then one fused multiply-add per block, as the other tiers do;
-//! a float product's 64 partial sums are sixteen 4-lane accumulators. F16 values are
+//! a float product's 64 partial sums are sixteen 4-lane accumulators. Where the CPU has
+//! Armv8.2's dot product instructions (the `neon-dotprod` tier), `sdot` gives the same four-
+//! product lanes in one instruction (its intrinsic is not stable in Rust 1.95, so it is
+//! written as inline assembly). F16 values are
 //! widened by integer shifts and one exact multiply by 2^112 (the conversion instruction's
 //! intrinsic is not stable in Rust), BF16 by a 16-bit shift. Every entry point takes (or is
 //! handed out by a function that takes) the [`Neon`] token.
 
 use std::arch::aarch64::*;
+use std::arch::asm;
 
 use super::float::{self, Activation, FloatFormat, LANES, PAIR_BLOCK};
 use super::portable::hsum8;
 use super::{f16_at, q5, Batched, BlockFormat, Dot, QuantizedRow, Tile, Unpacked, BLOCK};
-use crate::cpu::Neon;
+use crate::cpu::{Features, Neon, NeonDotprod};
+
+/// The two NEON tiers' tokens: whether the integer kernels they hand out use `sdot`.
+pub(crate) trait NeonTier: Copy {
+    /// Whether this tier has the dot product instructions.
+    const DOT: bool;
+}
+
+impl NeonTier for Neon {
+    const DOT: bool = false;
+}
+
+impl NeonTier for NeonDotprod {
+    const DOT: bool = true;
+}
 
 // The block formats, as the kernels' const parameter.
 const Q4_0: u8 = 0;
@@ -51,23 +69,49 @@ pub(super) fn lanes8(v: [float32x4_t; 2]) -> [f32; 8] {
     out
 }
 
+/// `acc` plus the sixteen signed byte products of `w` and `a` summed four by four: `sdot`.
+#[inline]
+#[target_feature(enable = "neon,dotprod")]
+fn sdot(acc: int32x4_t, w: int8x16_t, a: int8x16_t) -> int32x4_t {
+    let mut acc = acc;
+    // SAFETY: `sdot` reads and writes only these three registers; the target feature says
+    // the CPU has it.
+    unsafe {
+        asm!(
+            "sdot {acc:v}.4s, {w:v}.16b, {a:v}.16b",
+            acc = inout(vreg) acc,
+            w = in(vreg) w,
+            a = in(vreg) a,
+            options(pure, nomem, nostack, preserves_flags)
+        );
+    }
+    acc
+}
+
 /// Sixteen signed byte products summed four by four: values `4l..4l + 4` in lane `l`,
-/// exactly (at most 4 · 128 · 128 in magnitude).
+/// exactly (at most 4 · 128 · 128 in magnitude) — by `sdot` where `DOT`, by widening
+/// multiplies added pairwise twice otherwise.
 #[inline]
 #[target_feature(enable = "neon")]
-pub(super) fn dot4(w: int8x16_t, a: int8x16_t) -> int32x4_t {
-    let lo = vpaddlq_s16(vmull_s8(vget_low_s8(w), vget_low_s8(a)));
-    let hi = vpaddlq_s16(vmull_high_s8(w, a));
-    vpaddq_s32(lo, hi)
+pub(super) fn dot4<const DOT: bool>(w: int8x16_t, a: int8x16_t) -> int32x4_t {
+    if DOT {
+        // SAFETY: `DOT` is set only in the kernels the `NeonDotprod` token hands out, which
+        // run with the dot product feature enabled.
+        unsafe { sdot(vdupq_n_s32(0), w, a) }
+    } else {
+        let lo = vpaddlq_s16(vmull_s8(vget_low_s8(w), vget_low_s8(a)));
+        let hi = vpaddlq_s16(vmull_high_s8(w, a));
+        vpaddq_s32(lo, hi)
+    }
 }
 
 /// The eight lanes of one block, values `4l..4l + 4` in lane `l`, as f32 (exact).
 #[inline]
 #[target_feature(enable = "neon")]
-fn block_lanes(w: [int8x16_t; 2], a: [int8x16_t; 2]) -> [float32x4_t; 2] {
+fn block_lanes<const DOT: bool>(w: [int8x16_t; 2], a: [int8x16_t; 2]) -> [float32x4_t; 2] {
     [
-        vcvtq_f32_s32(dot4(w[0], a[0])),
-        vcvtq_f32_s32(dot4(w[1], a[1])),
+        vcvtq_f32_s32(dot4::<DOT>(w[0], a[0])),
+        vcvtq_f32_s32(dot4::<DOT>(w[1], a[1])),
     ]
 }
 
@@ -139,62 +183,140 @@ fn values<const F: u8>(b: &[u8]) -> [int8x16_t; 2] {
 
 /// A weight row of format `F` against an activation row: the portable dot product's lanes,
 /// fused multiply-adds and reduction.
+#[inline]
 #[target_feature(enable = "neon")]
-fn dot_neon<const F: u8>(w: &[u8], a: &QuantizedRow) -> f32 {
+fn dot_body<const F: u8, const DOT: bool>(w: &[u8], a: &QuantizedRow) -> f32 {
     let mut acc = [vdupq_n_f32(0.0); 2];
     let mut summs = 0f32;
     for (i, b) in w.chunks_exact(stride(F)).enumerate() {
         if has_mins(F) {
             summs = f16_at(b, 2).mul_add(a.s[i], summs);
         }
-        let l = block_lanes(values::<F>(b), activation(a, i));
+        let l = block_lanes::<DOT>(values::<F>(b), activation(a, i));
         let d = vdupq_n_f32(f16_at(b, 0) * a.d[i]);
         acc = [vfmaq_f32(acc[0], d, l[0]), vfmaq_f32(acc[1], d, l[1])];
     }
     hsum8(lanes8(acc)) + summs
 }
 
-/// The dot product for `format`.
-pub(super) fn dot(cpu: Neon, format: Batched) -> Dot {
-    let _ = cpu;
-    match format {
-        Batched::Block(BlockFormat::Q4_0) => run_dot::<Q4_0>,
-        Batched::Block(BlockFormat::Q4_1) => run_dot::<Q4_1>,
-        Batched::Block(BlockFormat::Q8_0) => run_dot::<Q8_0>,
-        Batched::Q5_0 => run_dot::<Q5_0>,
-        Batched::Q5_1 => run_dot::<Q5_1>,
+#[target_feature(enable = "neon")]
+fn dot_neon<const F: u8>(w: &[u8], a: &QuantizedRow) -> f32 {
+    dot_body::<F, false>(w, a)
+}
+
+#[target_feature(enable = "neon,dotprod")]
+fn dot_dotprod<const F: u8>(w: &[u8], a: &QuantizedRow) -> f32 {
+    dot_body::<F, true>(w, a)
+}
+
+/// The dot product for `format` on the best NEON tier `features` has, if any.
+pub(super) fn best_dot(features: Features, format: Batched) -> Option<Dot> {
+    match features.neon_dotprod() {
+        Some(cpu) => Some(dot(cpu, format)),
+        None => features.neon().map(|cpu| dot(cpu, format)),
     }
 }
 
-fn run_dot<const F: u8>(w: &[u8], a: &QuantizedRow) -> f32 {
-    // SAFETY: handed out only by `dot`, which takes the NEON token.
-    unsafe { dot_neon::<F>(w, a) }
-}
-
-/// The buffered tile: four unpacked weight rows against the activation rows two at a
-/// time, each weight block loaded once for both.
-pub(super) fn tile(cpu: Neon) -> Tile {
+/// The dot product for `format` on tier `T`.
+pub(super) fn dot<T: NeonTier>(cpu: T, format: Batched) -> Dot {
     let _ = cpu;
-    tile_rows
+    if T::DOT {
+        dots::<true>(format)
+    } else {
+        dots::<false>(format)
+    }
 }
 
-fn tile_rows(u: &Unpacked, a: &[QuantizedRow], out: &mut [[f32; 4]]) {
+fn dots<const DOT: bool>(format: Batched) -> Dot {
+    match format {
+        Batched::Block(BlockFormat::Q4_0) => run_dot::<Q4_0, DOT>,
+        Batched::Block(BlockFormat::Q4_1) => run_dot::<Q4_1, DOT>,
+        Batched::Block(BlockFormat::Q8_0) => run_dot::<Q8_0, DOT>,
+        Batched::Q5_0 => run_dot::<Q5_0, DOT>,
+        Batched::Q5_1 => run_dot::<Q5_1, DOT>,
+    }
+}
+
+fn run_dot<const F: u8, const DOT: bool>(w: &[u8], a: &QuantizedRow) -> f32 {
+    // SAFETY: handed out only by `dot`, with a NEON token, and with `DOT` only for the
+    // `NeonDotprod` token.
+    unsafe {
+        if DOT {
+            dot_dotprod::<F>(w, a)
+        } else {
+            dot_neon::<F>(w, a)
+        }
+    }
+}
+
+/// The buffered tile on the best NEON tier `features` has, if any.
+pub(super) fn best_tile(features: Features) -> Option<Tile> {
+    match features.neon_dotprod() {
+        Some(cpu) => Some(tile(cpu)),
+        None => features.neon().map(tile),
+    }
+}
+
+/// The buffered tile on tier `T`: four unpacked weight rows against the activation rows
+/// two at a time, each weight block loaded once for both.
+pub(super) fn tile<T: NeonTier>(cpu: T) -> Tile {
+    let _ = cpu;
+    if T::DOT {
+        tile_rows::<true>
+    } else {
+        tile_rows::<false>
+    }
+}
+
+fn tile_rows<const DOT: bool>(u: &Unpacked, a: &[QuantizedRow], out: &mut [[f32; 4]]) {
     let pairs = a.len() / 2 * 2;
     for (a, out) in a[..pairs].chunks_exact(2).zip(out.chunks_exact_mut(2)) {
-        // SAFETY: handed out only by `tile`, which takes the NEON token.
-        let [o0, o1] = unsafe { tile_neon::<2>(u, [&a[0], &a[1]]) };
+        // SAFETY: handed out only by `tile`, with a NEON token, and with `DOT` only for the
+        // `NeonDotprod` token.
+        let [o0, o1] = unsafe { tile_tier::<2, DOT>(u, [&a[0], &a[1]]) };
         (out[0], out[1]) = (o0, o1);
     }
     for (a, out) in a[pairs..].iter().zip(&mut out[pairs..]) {
         // SAFETY: as above.
-        [*out] = unsafe { tile_neon::<1>(u, [a]) };
+        [*out] = unsafe { tile_tier::<1, DOT>(u, [a]) };
+    }
+}
+
+/// [`tile_body`] with the target features of its tier.
+///
+/// # Safety
+/// The CPU must have NEON, and (`DOT`) the dot product instructions.
+#[inline]
+unsafe fn tile_tier<const N: usize, const DOT: bool>(
+    u: &Unpacked,
+    a: [&QuantizedRow; N],
+) -> [[f32; 4]; N] {
+    #[target_feature(enable = "neon")]
+    fn neon<const N: usize>(u: &Unpacked, a: [&QuantizedRow; N]) -> [[f32; 4]; N] {
+        tile_body::<N, false>(u, a)
+    }
+    #[target_feature(enable = "neon,dotprod")]
+    fn dotprod<const N: usize>(u: &Unpacked, a: [&QuantizedRow; N]) -> [[f32; 4]; N] {
+        tile_body::<N, true>(u, a)
+    }
+    // SAFETY: the caller guarantees the features.
+    unsafe {
+        if DOT {
+            dotprod::<N>(u, a)
+        } else {
+            neon::<N>(u, a)
+        }
     }
 }
 
 /// Four unpacked weight rows against `N` activation rows: for each output the lanes, scale
-/// products and fused multiply-adds of [`dot_neon`], block by block.
+/// products and fused multiply-adds of [`dot_body`], block by block.
+#[inline]
 #[target_feature(enable = "neon")]
-fn tile_neon<const N: usize>(u: &Unpacked, a: [&QuantizedRow; N]) -> [[f32; 4]; N] {
+fn tile_body<const N: usize, const DOT: bool>(
+    u: &Unpacked,
+    a: [&QuantizedRow; N],
+) -> [[f32; 4]; N] {
     let mut acc = [[[vdupq_n_f32(0.0); 2]; 4]; N];
     let mut summs = [[0f32; 4]; N];
     for i in 0..a[0].d.len() {
@@ -208,7 +330,7 @@ fn tile_neon<const N: usize>(u: &Unpacked, a: [&QuantizedRow; N]) -> [[f32; 4]; 
                 if !u.signed {
                     summs[n][r] = u.m[k].mul_add(a[n].s[i], summs[n][r]);
                 }
-                let l = block_lanes(x, y[n]);
+                let l = block_lanes::<DOT>(x, y[n]);
                 let d = vdupq_n_f32(u.d[k] * a[n].d[i]);
                 let acc = &mut acc[n][r];
                 *acc = [vfmaq_f32(acc[0], d, l[0]), vfmaq_f32(acc[1], d, l[1])];

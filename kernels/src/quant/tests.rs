@@ -160,10 +160,18 @@ fn every_kernel_matches_the_portable_code_bit_for_bit() {
         }
     }
     #[cfg(target_arch = "aarch64")]
-    if features.neon().is_some() {
-        dots.push(("neon", |fmt| {
-            neon::dot(cpu::detect().neon().expect("neon"), Batched::Block(fmt))
-        }));
+    {
+        if features.neon().is_some() {
+            dots.push(("neon", |fmt| {
+                neon::dot(cpu::detect().neon().expect("neon"), Batched::Block(fmt))
+            }));
+        }
+        if features.neon_dotprod().is_some() {
+            dots.push(("neon-dotprod", |fmt| {
+                let cpu = cpu::detect().neon_dotprod().expect("dotprod");
+                neon::dot(cpu, Batched::Block(fmt))
+            }));
+        }
     }
     let names: Vec<&str> = dots.iter().map(|(name, _)| *name).collect();
     eprintln!(
@@ -224,7 +232,10 @@ fn every_kernel_matches_the_portable_code_bit_for_bit() {
             #[cfg(target_arch = "x86_64")]
             kernels.extend(features.avx2().map(avx2::tile));
             #[cfg(target_arch = "aarch64")]
-            kernels.extend(features.neon().map(neon::tile));
+            {
+                kernels.extend(features.neon().map(neon::tile));
+                kernels.extend(features.neon_dotprod().map(neon::tile));
+            }
             for kernel in kernels {
                 let mut out = vec![[0f32; 4]; n];
                 kernel(&u, &acts, &mut out);
@@ -493,9 +504,15 @@ fn k_quants_compute_what_ggml_computes_bit_for_bit() {
                 assert_eq!(v.to_bits(), row.dot.to_bits(), "{name} row {r}: AVX2 dot");
             }
             #[cfg(target_arch = "aarch64")]
-            if let Some(cpu) = cpu::detect().neon() {
-                let v = kquant::neon::dot(cpu, format)(&row.weights, &a);
-                assert_eq!(v.to_bits(), row.dot.to_bits(), "{name} row {r}: NEON dot");
+            {
+                if let Some(cpu) = cpu::detect().neon() {
+                    let v = kquant::neon::dot(cpu, format)(&row.weights, &a);
+                    assert_eq!(v.to_bits(), row.dot.to_bits(), "{name} row {r}: NEON dot");
+                }
+                if let Some(cpu) = cpu::detect().neon_dotprod() {
+                    let v = kquant::neon::dot(cpu, format)(&row.weights, &a);
+                    assert_eq!(v.to_bits(), row.dot.to_bits(), "{name} row {r}: sdot");
+                }
             }
             let m = QuantMatrix::from_gguf(WeightFormat::K(format), 1, row.x.len(), &row.weights)
                 .expect("sizes");
@@ -553,11 +570,11 @@ fn the_5_bit_formats_compute_what_ggml_computes_bit_for_bit() {
             #[cfg(target_arch = "x86_64")]
             dots.extend(cpu::detect().avx2().map(|cpu| avx2::dot_q5(cpu, signed)));
             #[cfg(target_arch = "aarch64")]
-            dots.extend(
-                cpu::detect()
-                    .neon()
-                    .map(|cpu| neon::dot(cpu, if signed { Batched::Q5_0 } else { Batched::Q5_1 })),
-            );
+            {
+                let f = if signed { Batched::Q5_0 } else { Batched::Q5_1 };
+                dots.extend(cpu::detect().neon().map(|cpu| neon::dot(cpu, f)));
+                dots.extend(cpu::detect().neon_dotprod().map(|cpu| neon::dot(cpu, f)));
+            }
             for dot in dots {
                 let got = dot(&row.weights, &a);
                 assert_eq!(got.to_bits(), row.dot.to_bits(), "{name} row {r}: dot");
@@ -1043,11 +1060,19 @@ fn dot_products_never_allocate() {
                 .map(|cpu| ("avx2", kquant::avx2::dot(cpu, format))),
         );
         #[cfg(target_arch = "aarch64")]
-        dots.extend(
-            cpu::detect()
-                .neon()
-                .map(|cpu| ("neon", kquant::neon::dot(cpu, format))),
-        );
+        {
+            let features = cpu::detect();
+            dots.extend(
+                features
+                    .neon()
+                    .map(|cpu| ("neon", kquant::neon::dot(cpu, format))),
+            );
+            dots.extend(
+                features
+                    .neon_dotprod()
+                    .map(|cpu| ("neon-dotprod", kquant::neon::dot(cpu, format))),
+            );
+        }
         for (tier, dot) in dots {
             let n = allocations::during(|| {
                 std::hint::black_box(dot(&row.weights, &a));
@@ -1109,9 +1134,16 @@ fn k_quant_tiles_give_every_pair_its_dot_product_bit_for_bit() {
         }));
     }
     #[cfg(target_arch = "aarch64")]
-    tiers.push(("neon", |f| {
-        cpu::detect().neon().map(|cpu| kquant::neon::tile(cpu, f))
-    }));
+    {
+        tiers.push(("neon", |f| {
+            cpu::detect().neon().map(|cpu| kquant::neon::tile(cpu, f))
+        }));
+        tiers.push(("neon-dotprod", |f| {
+            cpu::detect()
+                .neon_dotprod()
+                .map(|cpu| kquant::neon::tile(cpu, f))
+        }));
+    }
     if tiers.iter().all(|(_, tile)| tile(KFormat::Q4K).is_none()) {
         eprintln!(
             "K-quant tiles: no vector tier here ({}; the CPU lacks one or FERRITE_CPU_TIER caps it), only the pairwise path was checked",

@@ -4,17 +4,18 @@
 //! (the same eight integer lanes `maddubs` + `madd` give: bytes `4l..4l + 4` of every chunk
 //! in lane `l`, the low scale on lanes 0..4, the high on 4..8 — exact sums, so the order of
 //! their terms does not matter), and the float step is the portable one, lane for lane.
-//! Q3_K's values are met as `low - high`, the difference of ggml's two products.
+//! Q3_K's values are met as `low - high`, the difference of ggml's two products. The
+//! `neon-dotprod` tier sums each four products with `sdot`.
 //!
 //! The tile unpacks each super-block of four weight rows once for a group of activation
 //! rows, where the pairwise product unpacks it again for each.
 
 use std::arch::aarch64::*;
 
-use super::super::neon::{dot4, lanes8};
+use super::super::neon::{dot4, lanes8, NeonTier};
 use super::super::portable::hsum8;
 use super::{f16_at, scales_mins_k4, scales_q3k, KFormat, Q8KRow, QK_K};
-use crate::cpu::Neon;
+use crate::cpu::Features;
 use crate::quant::PairTile;
 
 // The formats, as the kernels' const parameter.
@@ -211,10 +212,34 @@ fn unpack<const F: u8>(b: &[u8]) -> Block {
     u
 }
 
-/// The pair's eight integer lanes for super-block `i` of activation row `a`.
+/// The pair's eight integer lanes for super-block `i` of activation row `a`, compiled for
+/// its tier: with `sdot` in line where `DOT` (one call per super-block rather than one per
+/// sixteen products).
+#[inline]
+fn sumi<const DOT: bool>(u: &Block, a: &Q8KRow, i: usize) -> [int32x4_t; 2] {
+    #[target_feature(enable = "neon")]
+    fn neon(u: &Block, a: &Q8KRow, i: usize) -> [int32x4_t; 2] {
+        sumi_body::<false>(u, a, i)
+    }
+    #[target_feature(enable = "neon,dotprod")]
+    fn dotprod(u: &Block, a: &Q8KRow, i: usize) -> [int32x4_t; 2] {
+        sumi_body::<true>(u, a, i)
+    }
+    // SAFETY: `DOT` is set only in the kernels the `NeonDotprod` token hands out; every
+    // arm64 CPU has NEON.
+    unsafe {
+        if DOT {
+            dotprod(u, a, i)
+        } else {
+            neon(u, a, i)
+        }
+    }
+}
+
+/// [`sumi`]'s arithmetic.
 #[inline]
 #[target_feature(enable = "neon")]
-fn sumi(u: &Block, a: &Q8KRow, i: usize) -> [int32x4_t; 2] {
+fn sumi_body<const DOT: bool>(u: &Block, a: &Q8KRow, i: usize) -> [int32x4_t; 2] {
     let y = &a.qs[i * QK_K..(i + 1) * QK_K];
     let mut sumi = [vdupq_n_s32(0); 2];
     for (c, (q, s)) in u.q.iter().zip(&u.s).enumerate() {
@@ -225,8 +250,8 @@ fn sumi(u: &Block, a: &Q8KRow, i: usize) -> [int32x4_t; 2] {
                 vld1q_s8(y.as_ptr().add(32 * c + 16)),
             )
         };
-        sumi[0] = vmlaq_n_s32(sumi[0], dot4(q[0], y0), s[0]);
-        sumi[1] = vmlaq_n_s32(sumi[1], dot4(q[1], y1), s[1]);
+        sumi[0] = vmlaq_n_s32(sumi[0], dot4::<DOT>(q[0], y0), s[0]);
+        sumi[1] = vmlaq_n_s32(sumi[1], dot4::<DOT>(q[1], y1), s[1]);
     }
     sumi
 }
@@ -310,30 +335,64 @@ fn finish<const F: u8>(p: &Acc) -> f32 {
     }
 }
 
+#[inline]
 #[target_feature(enable = "neon")]
-fn dot_neon<const F: u8>(w: &[u8], a: &Q8KRow) -> f32 {
+fn dot_body<const F: u8, const DOT: bool>(w: &[u8], a: &Q8KRow) -> f32 {
     let mut p = zero();
     for (i, b) in w.chunks_exact(format(F).block_bytes()).enumerate() {
         let u = unpack::<F>(b);
-        step::<F>(&u, a, i, sumi(&u, a, i), &mut p);
+        step::<F>(&u, a, i, sumi::<DOT>(&u, a, i), &mut p);
     }
     finish::<F>(&p)
 }
 
-fn run_dot<const F: u8>(w: &[u8], a: &Q8KRow) -> f32 {
-    // SAFETY: handed out only by `dot`, which takes the NEON token.
-    unsafe { dot_neon::<F>(w, a) }
+#[target_feature(enable = "neon")]
+fn dot_neon<const F: u8>(w: &[u8], a: &Q8KRow) -> f32 {
+    dot_body::<F, false>(w, a)
 }
 
-/// The dot product for `format`.
-pub(crate) fn dot(cpu: Neon, format: KFormat) -> fn(&[u8], &Q8KRow) -> f32 {
+#[target_feature(enable = "neon,dotprod")]
+fn dot_dotprod<const F: u8>(w: &[u8], a: &Q8KRow) -> f32 {
+    dot_body::<F, true>(w, a)
+}
+
+fn run_dot<const F: u8, const DOT: bool>(w: &[u8], a: &Q8KRow) -> f32 {
+    // SAFETY: handed out only by `dot`, with a NEON token, and with `DOT` only for the
+    // `NeonDotprod` token.
+    unsafe {
+        if DOT {
+            dot_dotprod::<F>(w, a)
+        } else {
+            dot_neon::<F>(w, a)
+        }
+    }
+}
+
+/// The dot product for `format` on the best NEON tier `features` has, if any.
+pub(crate) fn best_dot(features: Features, format: KFormat) -> Option<fn(&[u8], &Q8KRow) -> f32> {
+    match features.neon_dotprod() {
+        Some(cpu) => Some(dot(cpu, format)),
+        None => features.neon().map(|cpu| dot(cpu, format)),
+    }
+}
+
+/// The dot product for `format` on tier `T`.
+pub(crate) fn dot<T: NeonTier>(cpu: T, format: KFormat) -> fn(&[u8], &Q8KRow) -> f32 {
     let _ = cpu;
+    if T::DOT {
+        dots::<true>(format)
+    } else {
+        dots::<false>(format)
+    }
+}
+
+fn dots<const DOT: bool>(format: KFormat) -> fn(&[u8], &Q8KRow) -> f32 {
     match format {
-        KFormat::Q2K => run_dot::<Q2>,
-        KFormat::Q3K => run_dot::<Q3>,
-        KFormat::Q4K => run_dot::<Q4>,
-        KFormat::Q5K => run_dot::<Q5>,
-        KFormat::Q6K => run_dot::<Q6>,
+        KFormat::Q2K => run_dot::<Q2, DOT>,
+        KFormat::Q3K => run_dot::<Q3, DOT>,
+        KFormat::Q4K => run_dot::<Q4, DOT>,
+        KFormat::Q5K => run_dot::<Q5, DOT>,
+        KFormat::Q6K => run_dot::<Q6, DOT>,
     }
 }
 
@@ -341,26 +400,62 @@ pub(crate) fn dot(cpu: Neon, format: KFormat) -> fn(&[u8], &Q8KRow) -> f32 {
 /// unpacked once per group.
 const GROUP: usize = 16;
 
-/// The tile for `format`: four weight rows against every activation row, each pair's
-/// result its dot product's bits.
-pub(crate) fn tile(cpu: Neon, format: KFormat) -> PairTile<Q8KRow> {
-    let _ = cpu;
-    match format {
-        KFormat::Q2K => run_tile::<Q2>,
-        KFormat::Q3K => run_tile::<Q3>,
-        KFormat::Q4K => run_tile::<Q4>,
-        KFormat::Q5K => run_tile::<Q5>,
-        KFormat::Q6K => run_tile::<Q6>,
+/// The tile for `format` on the best NEON tier `features` has, if any.
+pub(crate) fn best_tile(features: Features, format: KFormat) -> Option<PairTile<Q8KRow>> {
+    match features.neon_dotprod() {
+        Some(cpu) => Some(tile(cpu, format)),
+        None => features.neon().map(|cpu| tile(cpu, format)),
     }
 }
 
-fn run_tile<const F: u8>(rows: [&[u8]; 4], acts: &[Q8KRow], out: &mut [[f32; 4]]) {
-    // SAFETY: handed out only by `tile`, which takes the NEON token.
-    unsafe { tile_neon::<F>(rows, acts, out) }
+/// The tile for `format` on tier `T`: four weight rows against every activation row, each
+/// pair's result its dot product's bits.
+pub(crate) fn tile<T: NeonTier>(cpu: T, format: KFormat) -> PairTile<Q8KRow> {
+    let _ = cpu;
+    if T::DOT {
+        tiles::<true>(format)
+    } else {
+        tiles::<false>(format)
+    }
 }
 
+fn tiles<const DOT: bool>(format: KFormat) -> PairTile<Q8KRow> {
+    match format {
+        KFormat::Q2K => run_tile::<Q2, DOT>,
+        KFormat::Q3K => run_tile::<Q3, DOT>,
+        KFormat::Q4K => run_tile::<Q4, DOT>,
+        KFormat::Q5K => run_tile::<Q5, DOT>,
+        KFormat::Q6K => run_tile::<Q6, DOT>,
+    }
+}
+
+fn run_tile<const F: u8, const DOT: bool>(rows: [&[u8]; 4], acts: &[Q8KRow], out: &mut [[f32; 4]]) {
+    #[target_feature(enable = "neon")]
+    fn neon<const F: u8>(rows: [&[u8]; 4], acts: &[Q8KRow], out: &mut [[f32; 4]]) {
+        tile_body::<F, false>(rows, acts, out)
+    }
+    #[target_feature(enable = "neon,dotprod")]
+    fn dotprod<const F: u8>(rows: [&[u8]; 4], acts: &[Q8KRow], out: &mut [[f32; 4]]) {
+        tile_body::<F, true>(rows, acts, out)
+    }
+    // SAFETY: handed out only by `tile`, with a NEON token, and with `DOT` only for the
+    // `NeonDotprod` token.
+    unsafe {
+        if DOT {
+            dotprod::<F>(rows, acts, out)
+        } else {
+            neon::<F>(rows, acts, out)
+        }
+    }
+}
+
+#[inline]
 #[target_feature(enable = "neon")]
-fn tile_neon<const F: u8>(rows: [&[u8]; 4], acts: &[Q8KRow], out: &mut [[f32; 4]]) {
+fn tile_body<const F: u8, const DOT: bool>(
+    rows: [&[u8]; 4],
+    acts: &[Q8KRow],
+    out: &mut [[f32; 4]],
+) {
     let bytes = format(F).block_bytes();
     let nb = rows[0].len() / bytes;
     for (group, out) in acts.chunks(GROUP).zip(out.chunks_mut(GROUP)) {
@@ -369,7 +464,7 @@ fn tile_neon<const F: u8>(rows: [&[u8]; 4], acts: &[Q8KRow], out: &mut [[f32; 4]
             let u = rows.map(|w| unpack::<F>(&w[i * bytes..(i + 1) * bytes]));
             for (a, accs) in group.iter().zip(accs.iter_mut()) {
                 for (u, p) in u.iter().zip(accs.iter_mut()) {
-                    step::<F>(u, a, i, sumi(u, a, i), p);
+                    step::<F>(u, a, i, sumi::<DOT>(u, a, i), p);
                 }
             }
         }

@@ -4,12 +4,11 @@
 //! are widening byte multiplies (`smull`) added pairwise twice — exact sums, so the same
 //! lanes whatever the order — then one fused multiply-add per block, as the other tiers do;
 //! a float product's 64 partial sums are sixteen 4-lane accumulators. Where the CPU has
-//! Armv8.2's dot product instructions (the `neon-dotprod` tier), `sdot` gives the same four-
-//! product lanes in one instruction (its intrinsic is not stable in Rust 1.95, so it is
-//! written as inline assembly). F16 values are
-//! widened by integer shifts and one exact multiply by 2^112 (the conversion instruction's
-//! intrinsic is not stable in Rust), BF16 by a 16-bit shift. Every entry point takes (or is
-//! handed out by a function that takes) the [`Neon`] token.
+//! Armv8.2's dot product instructions (the `neon-dotprod` tier), `sdot` gives the same
+//! four-product lanes in one instruction. F16 values are widened by integer shifts and one
+//! exact multiply by 2^112, BF16 by a 16-bit shift. (The intrinsics of `sdot` and of the F16
+//! conversion are not stable in Rust 1.95: `sdot` is written as inline assembly.) Every
+//! entry point takes (or is handed out by a function that takes) a NEON tier's token.
 
 use std::arch::aarch64::*;
 use std::arch::asm;

@@ -26,6 +26,30 @@ use super::portable::hsum8;
 /// Values per super-block.
 pub const QK_K: usize = 256;
 
+// The formats, as the vector kernels' const parameter.
+#[cfg(any(target_arch = "x86_64", target_arch = "aarch64"))]
+const Q2: u8 = 0;
+#[cfg(any(target_arch = "x86_64", target_arch = "aarch64"))]
+const Q3: u8 = 1;
+#[cfg(any(target_arch = "x86_64", target_arch = "aarch64"))]
+const Q4: u8 = 2;
+#[cfg(any(target_arch = "x86_64", target_arch = "aarch64"))]
+const Q5: u8 = 3;
+#[cfg(any(target_arch = "x86_64", target_arch = "aarch64"))]
+const Q6: u8 = 4;
+
+/// The format a vector kernel's const parameter names.
+#[cfg(any(target_arch = "x86_64", target_arch = "aarch64"))]
+const fn format(f: u8) -> KFormat {
+    match f {
+        Q2 => KFormat::Q2K,
+        Q3 => KFormat::Q3K,
+        Q4 => KFormat::Q4K,
+        Q5 => KFormat::Q5K,
+        _ => KFormat::Q6K,
+    }
+}
+
 /// The K-quant formats.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum KFormat {

@@ -14,26 +14,11 @@ use std::arch::aarch64::*;
 
 use super::super::neon::{dot4, lanes8, NeonTier};
 use super::super::portable::hsum8;
-use super::{f16_at, scales_mins_k4, scales_q3k, KFormat, Q8KRow, QK_K};
+use super::{
+    f16_at, format, scales_mins_k4, scales_q3k, KFormat, Q8KRow, Q2, Q3, Q4, Q5, Q6, QK_K,
+};
 use crate::cpu::Features;
 use crate::quant::PairTile;
-
-// The formats, as the kernels' const parameter.
-const Q2: u8 = 0;
-const Q3: u8 = 1;
-const Q4: u8 = 2;
-const Q5: u8 = 3;
-const Q6: u8 = 4;
-
-const fn format(f: u8) -> KFormat {
-    match f {
-        Q2 => KFormat::Q2K,
-        Q3 => KFormat::Q3K,
-        Q4 => KFormat::Q4K,
-        Q5 => KFormat::Q5K,
-        _ => KFormat::Q6K,
-    }
-}
 
 /// One weight row's super-block, unpacked.
 #[derive(Clone, Copy)]

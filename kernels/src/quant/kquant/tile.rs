@@ -17,7 +17,7 @@ use super::avx2::{
     broadcast_i16, bsums, hsum, k4_scales_mins, k4_values, load32, load_q8, q2k_values, q6k_values,
     scale_halves, split_i16, split_i8, sums32,
 };
-use super::{f16_at, scales_q3k, KFormat, Q8KRow, QK_K};
+use super::{f16_at, format, scales_q3k, KFormat, Q8KRow, Q2, Q3, Q4, Q5, Q6, QK_K};
 use crate::cpu::Features;
 use crate::quant::portable::hsum8;
 use crate::quant::PairTile;
@@ -50,23 +50,6 @@ pub(crate) fn tile_avx2(cpu: crate::cpu::Avx2, format: KFormat) -> Tile {
         KFormat::Q4K => run_avx2::<Q4>,
         KFormat::Q5K => run_avx2::<Q5>,
         KFormat::Q6K => run_avx2::<Q6>,
-    }
-}
-
-// The formats, as the kernels' const parameter.
-const Q2: u8 = 0;
-const Q3: u8 = 1;
-const Q4: u8 = 2;
-const Q5: u8 = 3;
-const Q6: u8 = 4;
-
-const fn format(f: u8) -> KFormat {
-    match f {
-        Q2 => KFormat::Q2K,
-        Q3 => KFormat::Q3K,
-        Q4 => KFormat::Q4K,
-        Q5 => KFormat::Q5K,
-        _ => KFormat::Q6K,
     }
 }
 

@@ -292,7 +292,9 @@ impl TensorGroup {
                     break r
                 }
                 Ok(_) => {}
-                Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+                // Not created yet, or created by tensor rank 0 and not yet given its length
+                // (an empty file cannot be mapped).
+                Err(_) if std::fs::metadata(path).map_or(true, |m| m.len() == 0) => {}
                 Err(e) => return Err(region_error(path, e)),
             }
             if Instant::now() >= deadline {
@@ -642,6 +644,24 @@ mod tests {
         assert_eq!(rows, [1.0, 2.0, 3.0, 4.0, 5.0, 6.0]);
         assert_eq!(msg, b"step");
         assert!(stopped, "a peer's wait ends when rank 0 is gone");
+    }
+
+    #[test]
+    fn a_peer_that_finds_the_region_before_rank_0_sized_it_waits_for_it() {
+        let (path, id) = (region_path(), [3u8; 32]);
+        // Tensor rank 0 between creating the file and giving it its length.
+        std::fs::write(&path, b"").expect("writes an empty file");
+        let p = path.clone();
+        let peer = std::thread::spawn(move || {
+            TensorGroup::join(&p, 1, 2, id, (1, 1), Duration::from_secs(10)).map(|g| g.rank())
+        });
+        std::thread::sleep(Duration::from_millis(100));
+        std::fs::remove_file(&path).expect("removes it");
+        let mut driver = TensorGroup::create(&path, 2, 4096, id).expect("creates");
+        driver
+            .wait_for_peers(Duration::from_secs(10), &[])
+            .expect("the peer joins");
+        assert_eq!(peer.join().expect("peer thread").expect("joins"), 1);
     }
 
     #[test]

@@ -62,7 +62,7 @@ test: model pyenv k8s
 	  $(CARGO) test --workspace --all-targets
 	$(CARGO) test --workspace --doc
 	# llama.cpp parity again on each lower instruction-set tier: every tier computes the same.
-	for tier in portable avx2; do \
+	for tier in portable avx2 avx-vnni; do \
 	  FERRITE_CPU_TIER=$$tier $(CARGO) test --quiet -p ferrite-engine --test llamacpp_parity; \
 	done
 	FERRITE_BIN=$(CURDIR)/target/debug/ferrite-engine FERRITE_PROMETHEUS_DIR="$$(scripts/build-prometheus.sh --print-dir)" \

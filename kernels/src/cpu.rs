@@ -11,6 +11,8 @@ pub struct Features {
     #[cfg(target_arch = "x86_64")]
     avx2: Option<Avx2>,
     #[cfg(target_arch = "x86_64")]
+    avx_vnni: Option<AvxVnni>,
+    #[cfg(target_arch = "x86_64")]
     avx512: Option<Avx512>,
     #[cfg(target_arch = "x86_64")]
     avx512_vnni: Option<Avx512Vnni>,
@@ -22,15 +24,23 @@ pub struct Features {
     neon_dotprod: Option<NeonDotprod>,
 }
 
-/// The environment variable that caps the tiers used (on x86-64 `portable`, `avx2`, `avx512`,
-/// `avx512-vnni` or `avx512-bf16`; on arm64 `portable`, `neon` or `neon-dotprod`): to measure
-/// or test a lower
-/// tier on a CPU that has higher ones.
+/// The environment variable that caps the tiers used (on x86-64 `portable`, `avx2`,
+/// `avx-vnni`, `avx512`, `avx512-vnni` or `avx512-bf16`; on arm64 `portable`, `neon` or
+/// `neon-dotprod`): to measure or test a lower tier on a CPU that has higher ones. A cap
+/// keeps the tiers up to the one it names that the CPU has (`avx512` on a CPU with AVX-512
+/// but no AVX-VNNI keeps AVX2 and AVX-512).
 pub const TIER_CAP_VAR: &str = "FERRITE_CPU_TIER";
 
 /// The tiers each name of [`TIER_CAP_VAR`] allows, lowest first.
 #[cfg(target_arch = "x86_64")]
-const TIER_NAMES: &[&str] = &["portable", "avx2", "avx512", "avx512-vnni", "avx512-bf16"];
+const TIER_NAMES: &[&str] = &[
+    "portable",
+    "avx2",
+    "avx-vnni",
+    "avx512",
+    "avx512-vnni",
+    "avx512-bf16",
+];
 /// The tiers each name of [`TIER_CAP_VAR`] allows, lowest first.
 #[cfg(target_arch = "aarch64")]
 const TIER_NAMES: &[&str] = &["portable", "neon", "neon-dotprod"];
@@ -73,6 +83,7 @@ impl Features {
     fn probe() -> Self {
         use std::arch::is_x86_feature_detected as has;
         let avx2 = (has!("avx2") && has!("fma") && has!("f16c")).then_some(Avx2(()));
+        let avx_vnni = avx2.filter(|_| has!("avxvnni")).map(|_| AvxVnni(()));
         let avx512 = avx2
             .filter(|_| has!("avx512f") && has!("avx512bw") && has!("avx512vl"))
             .map(|_| Avx512(()));
@@ -84,6 +95,7 @@ impl Features {
             .map(|_| Avx512Bf16(()));
         Features {
             avx2,
+            avx_vnni,
             avx512,
             avx512_vnni,
             avx512_bf16,
@@ -113,12 +125,15 @@ impl Features {
                 f.avx2 = None;
             }
             if tiers < 3 {
-                f.avx512 = None;
+                f.avx_vnni = None;
             }
             if tiers < 4 {
-                f.avx512_vnni = None;
+                f.avx512 = None;
             }
             if tiers < 5 {
+                f.avx512_vnni = None;
+            }
+            if tiers < 6 {
                 f.avx512_bf16 = None;
             }
             f
@@ -142,6 +157,13 @@ impl Features {
     #[cfg(target_arch = "x86_64")]
     pub fn avx2(self) -> Option<Avx2> {
         self.avx2
+    }
+
+    /// AVX-VNNI's 256-bit integer dot products (`vpdpbusd` with a VEX encoding, on Intel
+    /// client parts from Alder Lake and on Zen 4 and later) with the AVX2 tier, if present.
+    #[cfg(target_arch = "x86_64")]
+    pub fn avx_vnni(self) -> Option<AvxVnni> {
+        self.avx_vnni
     }
 
     /// AVX-512 F, BW and VL (with the AVX2 tier), if present.
@@ -185,6 +207,7 @@ impl Features {
         #[cfg(target_arch = "x86_64")]
         {
             tiers.extend(self.avx2.map(|_| "avx2"));
+            tiers.extend(self.avx_vnni.map(|_| "avx-vnni"));
             tiers.extend(self.avx512.map(|_| "avx512"));
             tiers.extend(self.avx512_vnni.map(|_| "avx512-vnni"));
             tiers.extend(self.avx512_bf16.map(|_| "avx512-bf16"));
@@ -202,6 +225,11 @@ impl Features {
 #[cfg(target_arch = "x86_64")]
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Avx2(());
+
+/// Proof that the CPU runs AVX-VNNI (`vpdpbusd` on 256-bit registers), and the AVX2 tier.
+#[cfg(target_arch = "x86_64")]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct AvxVnni(());
 
 /// Proof that the CPU runs AVX-512 F, BW and VL, and the AVX2 tier.
 #[cfg(target_arch = "x86_64")]
@@ -277,11 +305,13 @@ mod tests {
         #[cfg(target_arch = "x86_64")]
         {
             assert!(f.avx512().is_none() || f.avx2().is_some());
+            assert!(f.avx_vnni().is_none() || f.avx2().is_some());
             assert!(f.avx512_vnni().is_none() || f.avx512().is_some());
             assert!(f.avx512_bf16().is_none() || f.avx512_vnni().is_some());
             assert_eq!(
                 tiers.len(),
                 1 + usize::from(f.avx2().is_some())
+                    + usize::from(f.avx_vnni().is_some())
                     + usize::from(f.avx512().is_some())
                     + usize::from(f.avx512_vnni().is_some())
                     + usize::from(f.avx512_bf16().is_some())
@@ -305,8 +335,11 @@ mod tests {
         #[cfg(target_arch = "x86_64")]
         {
             let avx2 = all.capped(2);
-            assert!(avx2.avx512().is_none() && avx2.avx512_vnni().is_none());
-            assert!(all.capped(4).avx512_bf16().is_none());
+            assert!(avx2.avx_vnni().is_none() && avx2.avx512().is_none());
+            assert!(avx2.avx512_vnni().is_none());
+            assert_eq!(all.capped(3).avx_vnni(), all.avx_vnni());
+            assert!(all.capped(3).avx512().is_none());
+            assert!(all.capped(5).avx512_bf16().is_none());
             assert_eq!(avx2.avx2(), all.avx2());
         }
         #[cfg(target_arch = "aarch64")]
@@ -321,8 +354,9 @@ mod tests {
         #[cfg(target_arch = "x86_64")]
         {
             assert_eq!(tiers_up_to("avx2"), Some(2));
-            assert_eq!(tiers_up_to("avx512-vnni"), Some(4));
-            assert_eq!(tiers_up_to("avx512-bf16"), Some(5));
+            assert_eq!(tiers_up_to("avx-vnni"), Some(3));
+            assert_eq!(tiers_up_to("avx512-vnni"), Some(5));
+            assert_eq!(tiers_up_to("avx512-bf16"), Some(6));
             assert_eq!(tiers_up_to("neon"), None);
         }
         #[cfg(target_arch = "aarch64")]

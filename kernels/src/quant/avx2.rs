@@ -1,6 +1,9 @@
 //! The quantized products with AVX2: `maddubs` + `madd` give exactly the eight four-value
-//! integer lanes of the portable code, then one fused multiply-add per block. Every entry
-//! point takes (or is handed out by a function that takes) the [`Avx2`] token.
+//! integer lanes of the portable code, then one fused multiply-add per block. On the
+//! `avx-vnni` tier the 32-value formats' lanes are one `vpdpbusd` instead (exact four-product
+//! sums, as `maddubs` is here: its 16-bit pair sums cannot saturate with these formats'
+//! values), so the same bits in one instruction where AVX2 takes two. Every entry point
+//! takes (or is handed out by a function that takes) the [`Avx2`] or [`AvxVnni`] token.
 
 use std::arch::x86_64::*;
 
@@ -8,7 +11,46 @@ use super::float::{self, Activation, FloatFormat};
 use super::portable::hsum8;
 use super::sse2::Carry;
 use super::{f16_at, BlockFormat, Dot, QuantizedRow, Tile, Unpacked, BLOCK};
-use crate::cpu::Avx2;
+use crate::cpu::{Avx2, AvxVnni};
+
+/// The two 256-bit integer tiers' tokens: whether the kernels they hand out use AVX-VNNI.
+pub(crate) trait Avx2Tier: Copy {
+    /// Whether this tier has AVX-VNNI's `vpdpbusd`.
+    const VNNI: bool;
+}
+
+impl Avx2Tier for Avx2 {
+    const VNNI: bool = false;
+}
+
+impl Avx2Tier for AvxVnni {
+    const VNNI: bool = true;
+}
+
+/// `f`, compiled with its tier's target features — AVX2, FMA and F16C, and AVX-VNNI where
+/// `VNNI` — so that the `#[inline]` kernel bodies it calls are inlined with them.
+///
+/// # Safety
+/// The CPU must have AVX2, FMA and F16C, and (`VNNI`) AVX-VNNI.
+#[inline(always)]
+unsafe fn on_tier<const VNNI: bool, R>(f: impl FnOnce() -> R) -> R {
+    #[target_feature(enable = "avx2,fma,f16c")]
+    fn avx2<R>(f: impl FnOnce() -> R) -> R {
+        f()
+    }
+    #[target_feature(enable = "avx2,fma,f16c,avxvnni")]
+    fn vnni<R>(f: impl FnOnce() -> R) -> R {
+        f()
+    }
+    // SAFETY: the caller guarantees the features.
+    unsafe {
+        if VNNI {
+            vnni(f)
+        } else {
+            avx2(f)
+        }
+    }
+}
 
 const Q4_0: usize = BlockFormat::Q4_0.block_bytes();
 const Q4_1: usize = BlockFormat::Q4_1.block_bytes();
@@ -23,12 +65,21 @@ pub(super) fn lanes(v: __m256) -> [f32; 8] {
     out
 }
 
-/// Unsigned weight bytes times signed activation bytes, four products per i32 lane.
+/// Unsigned weight bytes times signed activation bytes, four products per i32 lane: one
+/// `vpdpbusd` where `VNNI`, `maddubs` + `madd` otherwise. The two agree because no pair sum
+/// reaches `maddubs`'s 16-bit saturation: weight bytes are at most 128 (a signed format's
+/// magnitudes) and activation bytes at most 127 in magnitude, so a pair at most 32 512.
 #[inline]
 #[target_feature(enable = "avx2")]
-fn lane_sums(qx: __m256i, qy: __m256i) -> __m256 {
-    let pairs = _mm256_maddubs_epi16(qx, qy);
-    _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_set1_epi16(1), pairs))
+fn lane_sums<const VNNI: bool>(qx: __m256i, qy: __m256i) -> __m256 {
+    let sums = if VNNI {
+        // SAFETY: `VNNI` is set only in the kernels the `AvxVnni` token hands out, which run
+        // with AVX-VNNI enabled (`on_tier`).
+        unsafe { _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), qx, qy) }
+    } else {
+        _mm256_madd_epi16(_mm256_set1_epi16(1), _mm256_maddubs_epi16(qx, qy))
+    };
+    _mm256_cvtepi32_ps(sums)
 }
 
 /// [`super::portable::quantize_block`] with AVX2: the same scale, `127 / amax` products
@@ -106,14 +157,19 @@ fn activation(a: &QuantizedRow, i: usize) -> __m256i {
     unsafe { _mm256_loadu_si256(q.as_ptr().cast()) }
 }
 
+#[inline]
 #[target_feature(enable = "avx2,fma")]
-fn q4_1(w: &[u8], a: &QuantizedRow) -> f32 {
+fn q4_1<const VNNI: bool>(w: &[u8], a: &QuantizedRow) -> f32 {
     let mut acc = _mm256_setzero_ps();
     let mut summs = 0f32;
     for (i, b) in w.chunks_exact(Q4_1).enumerate() {
         summs = f16_at(b, 2).mul_add(a.s[i], summs);
         let d = _mm256_set1_ps(f16_at(b, 0) * a.d[i]);
-        acc = _mm256_fmadd_ps(d, lane_sums(nibbles(&b[4..]), activation(a, i)), acc);
+        acc = _mm256_fmadd_ps(
+            d,
+            lane_sums::<VNNI>(nibbles(&b[4..]), activation(a, i)),
+            acc,
+        );
     }
     hsum8(lanes(acc)) + summs
 }
@@ -121,7 +177,7 @@ fn q4_1(w: &[u8], a: &QuantizedRow) -> f32 {
 /// One block of one Q4_0/Q8_0 row: the eight-lane update.
 #[inline]
 #[target_feature(enable = "avx2,fma")]
-fn signed_block(
+fn signed_block<const VNNI: bool>(
     b: &[u8],
     a: &QuantizedRow,
     i: usize,
@@ -137,21 +193,23 @@ fn signed_block(
         unsafe { _mm256_loadu_si256(b[2..].as_ptr().cast()) }
     };
     // |x| times sign(x)·y: the same products, with the unsigned-by-signed instruction.
-    let prod = lane_sums(_mm256_sign_epi8(qx, qx), _mm256_sign_epi8(qy, qx));
+    let prod = lane_sums::<VNNI>(_mm256_sign_epi8(qx, qx), _mm256_sign_epi8(qy, qx));
     _mm256_fmadd_ps(_mm256_set1_ps(f16_at(b, 0) * a.d[i]), prod, acc)
 }
 
+#[inline]
 #[target_feature(enable = "avx2,fma")]
-fn signed(w: &[u8], a: &QuantizedRow, stride: usize, four_bit: bool) -> f32 {
+fn signed<const VNNI: bool>(w: &[u8], a: &QuantizedRow, stride: usize, four_bit: bool) -> f32 {
     let mut acc = _mm256_setzero_ps();
     for (i, b) in w.chunks_exact(stride).enumerate() {
-        acc = signed_block(b, a, i, activation(a, i), acc, four_bit);
+        acc = signed_block::<VNNI>(b, a, i, activation(a, i), acc, four_bit);
     }
     hsum8(lanes(acc))
 }
 
+#[inline]
 #[target_feature(enable = "avx2,fma")]
-fn tile_avx2(u: &Unpacked, a: &QuantizedRow) -> [f32; 4] {
+fn tile_avx2<const VNNI: bool>(u: &Unpacked, a: &QuantizedRow) -> [f32; 4] {
     let mut acc = [_mm256_setzero_ps(); 4];
     let mut summs = [0f32; 4];
     for i in 0..a.d.len() {
@@ -161,10 +219,10 @@ fn tile_avx2(u: &Unpacked, a: &QuantizedRow) -> [f32; 4] {
             // SAFETY: each unpacked block is exactly 32 bytes; loadu is unaligned.
             let qx = unsafe { _mm256_loadu_si256(u.q[k].as_ptr().cast()) };
             let prod = if u.signed {
-                lane_sums(_mm256_sign_epi8(qx, qx), _mm256_sign_epi8(qy, qx))
+                lane_sums::<VNNI>(_mm256_sign_epi8(qx, qx), _mm256_sign_epi8(qy, qx))
             } else {
                 summs[r] = u.m[k].mul_add(a.s[i], summs[r]);
-                lane_sums(qx, qy)
+                lane_sums::<VNNI>(qx, qy)
             };
             acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(u.d[k] * a.d[i]), prod, acc[r]);
         }
@@ -176,8 +234,9 @@ fn tile_avx2(u: &Unpacked, a: &QuantizedRow) -> [f32; 4] {
 /// signed formats made absolute, once for both rows, and the four weight rows × two
 /// activation rows keep eight accumulators in registers. Every output's arithmetic is
 /// [`tile_avx2`]'s (the same lanes, scale products and fused multiply-adds, block by block).
+#[inline]
 #[target_feature(enable = "avx2,fma")]
-fn tile_pair_avx2(u: &Unpacked, a: [&QuantizedRow; 2]) -> [[f32; 4]; 2] {
+fn tile_pair_avx2<const VNNI: bool>(u: &Unpacked, a: [&QuantizedRow; 2]) -> [[f32; 4]; 2] {
     let mut acc = [[_mm256_setzero_ps(); 2]; 4];
     let mut summs = [_mm_setzero_ps(); 2];
     for i in 0..a[0].d.len() {
@@ -198,7 +257,7 @@ fn tile_pair_avx2(u: &Unpacked, a: [&QuantizedRow; 2]) -> [[f32; 4]; 2] {
                     qy[r]
                 };
                 let scale = _mm256_set1_ps(u.d[at] * a[r].d[i]);
-                *acc = _mm256_fmadd_ps(scale, lane_sums(ax, sy), *acc);
+                *acc = _mm256_fmadd_ps(scale, lane_sums::<VNNI>(ax, sy), *acc);
             }
         }
         if !u.signed {
@@ -217,71 +276,80 @@ fn tile_pair_avx2(u: &Unpacked, a: [&QuantizedRow; 2]) -> [[f32; 4]; 2] {
     })
 }
 
-/// The dot product for `format`.
-pub(super) fn dot(cpu: Avx2, format: BlockFormat) -> Dot {
+/// The dot product for `format` on tier `T`.
+pub(super) fn dot<T: Avx2Tier>(cpu: T, format: BlockFormat) -> Dot {
     let _ = cpu;
-    match format {
-        BlockFormat::Q4_1 => dot_q4_1,
-        BlockFormat::Q4_0 => dot_q4_0,
-        BlockFormat::Q8_0 => dot_q8_0,
+    if T::VNNI {
+        dots::<true>(format)
+    } else {
+        dots::<false>(format)
     }
 }
 
-/// The buffered tile.
-pub(super) fn tile(cpu: Avx2) -> Tile {
-    let _ = cpu;
-    tile_rows
+fn dots<const VNNI: bool>(format: BlockFormat) -> Dot {
+    match format {
+        BlockFormat::Q4_1 => dot_q4_1::<VNNI>,
+        BlockFormat::Q4_0 => dot_q4_0::<VNNI>,
+        BlockFormat::Q8_0 => dot_q8_0::<VNNI>,
+    }
 }
 
-// The functions below are handed out only by `dot` and `tile`, which take the
-// `Avx2` token: each runs only where AVX2 and FMA were detected.
+/// The buffered tile on tier `T`.
+pub(super) fn tile<T: Avx2Tier>(cpu: T) -> Tile {
+    let _ = cpu;
+    if T::VNNI {
+        tile_rows::<true>
+    } else {
+        tile_rows::<false>
+    }
+}
 
-fn tile_rows(u: &Unpacked, a: &[QuantizedRow], out: &mut [[f32; 4]]) {
+// The functions below are handed out only by `dot`, `tile` and `dot_q5`, which take an
+// AVX2 tier's token: each runs only where AVX2 and FMA were detected, and with `VNNI` only
+// where AVX-VNNI was.
+
+fn tile_rows<const VNNI: bool>(u: &Unpacked, a: &[QuantizedRow], out: &mut [[f32; 4]]) {
     let pairs = a.len() / 2 * 2;
     for (a, out) in a[..pairs].chunks_exact(2).zip(out.chunks_exact_mut(2)) {
-        // SAFETY: handed out by `tile`, which takes the AVX2 token.
-        let [o0, o1] = unsafe { tile_pair_avx2(u, [&a[0], &a[1]]) };
+        // SAFETY: handed out by `tile`, with its tier's token.
+        let [o0, o1] = unsafe { on_tier::<VNNI, _>(|| tile_pair_avx2::<VNNI>(u, [&a[0], &a[1]])) };
         (out[0], out[1]) = (o0, o1);
     }
     for (a, out) in a[pairs..].iter().zip(&mut out[pairs..]) {
         // SAFETY: as above.
-        *out = unsafe { tile_avx2(u, a) };
+        *out = unsafe { on_tier::<VNNI, _>(|| tile_avx2::<VNNI>(u, a)) };
     }
 }
 
-fn dot_q4_1(w: &[u8], a: &QuantizedRow) -> f32 {
-    // SAFETY: handed out by `dot`, which takes the AVX2 token.
-    unsafe { q4_1(w, a) }
+fn dot_q4_1<const VNNI: bool>(w: &[u8], a: &QuantizedRow) -> f32 {
+    // SAFETY: handed out by `dot`, with its tier's token.
+    unsafe { on_tier::<VNNI, _>(|| q4_1::<VNNI>(w, a)) }
 }
 
-fn dot_q4_0(w: &[u8], a: &QuantizedRow) -> f32 {
-    // SAFETY: handed out by `dot`, which takes the AVX2 token.
-    unsafe { signed(w, a, Q4_0, true) }
+fn dot_q4_0<const VNNI: bool>(w: &[u8], a: &QuantizedRow) -> f32 {
+    // SAFETY: handed out by `dot`, with its tier's token.
+    unsafe { on_tier::<VNNI, _>(|| signed::<VNNI>(w, a, Q4_0, true)) }
 }
 
-fn dot_q8_0(w: &[u8], a: &QuantizedRow) -> f32 {
-    // SAFETY: handed out by `dot`, which takes the AVX2 token.
-    unsafe { signed(w, a, Q8_0, false) }
+fn dot_q8_0<const VNNI: bool>(w: &[u8], a: &QuantizedRow) -> f32 {
+    // SAFETY: handed out by `dot`, with its tier's token.
+    unsafe { on_tier::<VNNI, _>(|| signed::<VNNI>(w, a, Q8_0, false)) }
 }
 
-/// The Q5 dot products, handed out only with the AVX2 token.
-pub(super) fn dot_q5(cpu: Avx2, signed: bool) -> Dot {
+/// The Q5_0 (`signed`) or Q5_1 dot product on tier `T`.
+pub(super) fn dot_q5<T: Avx2Tier>(cpu: T, signed: bool) -> Dot {
     let _ = cpu;
-    if signed {
-        q5_0
-    } else {
-        q5_1
+    match (signed, T::VNNI) {
+        (true, false) => q5::<true, false>,
+        (false, false) => q5::<false, false>,
+        (true, true) => q5::<true, true>,
+        (false, true) => q5::<false, true>,
     }
 }
 
-fn q5_0(w: &[u8], a: &QuantizedRow) -> f32 {
-    // SAFETY: handed out by `dot_q5`, which takes the AVX2 token.
-    unsafe { q5_avx2::<true>(w, a) }
-}
-
-fn q5_1(w: &[u8], a: &QuantizedRow) -> f32 {
-    // SAFETY: as in `q5_0`.
-    unsafe { q5_avx2::<false>(w, a) }
+fn q5<const SIGNED: bool, const VNNI: bool>(w: &[u8], a: &QuantizedRow) -> f32 {
+    // SAFETY: handed out by `dot_q5`, with its tier's token.
+    unsafe { on_tier::<VNNI, _>(|| q5_avx2::<SIGNED, VNNI>(w, a)) }
 }
 
 /// ggml's `bytes_from_bits_32`: byte `j` all ones where bit `j` of the four bytes is set.
@@ -301,8 +369,9 @@ fn bytes_from_bits(qh: &[u8]) -> __m256i {
 }
 
 /// `ggml_vec_dot_q5_0_q8_0` (`SIGNED`) and `ggml_vec_dot_q5_1_q8_1`.
+#[inline]
 #[target_feature(enable = "avx2,fma")]
-fn q5_avx2<const SIGNED: bool>(w: &[u8], a: &QuantizedRow) -> f32 {
+fn q5_avx2<const SIGNED: bool, const VNNI: bool>(w: &[u8], a: &QuantizedRow) -> f32 {
     let stride = if SIGNED {
         super::q5::Q5_0_BYTES
     } else {
@@ -318,13 +387,13 @@ fn q5_avx2<const SIGNED: bool>(w: &[u8], a: &QuantizedRow) -> f32 {
         if SIGNED {
             let qx = _mm256_or_si256(qx, _mm256_andnot_si256(hi, _mm256_set1_epi8(-16)));
             let d = _mm256_set1_ps(f16_at(b, 0) * a.d[i]);
-            let q = lane_sums(_mm256_sign_epi8(qx, qx), _mm256_sign_epi8(qy, qx));
+            let q = lane_sums::<VNNI>(_mm256_sign_epi8(qx, qx), _mm256_sign_epi8(qy, qx));
             acc = _mm256_fmadd_ps(d, q, acc);
         } else {
             summs = f16_at(b, 2).mul_add(a.s[i], summs);
             let qx = _mm256_or_si256(qx, _mm256_and_si256(hi, _mm256_set1_epi8(0x10)));
             let d = _mm256_set1_ps(f16_at(b, 0) * a.d[i]);
-            acc = _mm256_fmadd_ps(lane_sums(qx, qy), d, acc);
+            acc = _mm256_fmadd_ps(lane_sums::<VNNI>(qx, qy), d, acc);
         }
     }
     hsum8(lanes(acc)) + summs

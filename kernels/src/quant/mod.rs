@@ -12,8 +12,8 @@
 //!
 //! This module holds the matrix type and how a product is planned; the arithmetic lives
 //! in one file per instruction set — [`portable`] (the reference every other tier equals
-//! bit for bit), `sse2`, `avx2` and `avx512` on x86-64, `neon` on arm64 — each chosen at
-//! run time through [`crate::cpu`]'s tokens.
+//! bit for bit), `sse2`, `avx2` (for the `avx2` and `avx-vnni` tiers) and `avx512` on
+//! x86-64, `neon` on arm64 — each chosen at run time through [`crate::cpu`]'s tokens.
 
 use std::ops::{Deref, Range};
 use std::sync::{Arc, OnceLock};
@@ -829,6 +829,10 @@ type Tile = fn(&Unpacked, &[QuantizedRow], &mut [[f32; 4]]);
 /// The buffered tile of the best tier `features` has.
 fn tile_kernel(features: cpu::Features) -> Tile {
     #[cfg(target_arch = "x86_64")]
+    if let Some(cpu) = features.avx_vnni() {
+        return avx2::tile(cpu);
+    }
+    #[cfg(target_arch = "x86_64")]
     if let Some(cpu) = features.avx2() {
         return avx2::tile(cpu);
     }
@@ -850,6 +854,10 @@ type Dot = fn(&[u8], &QuantizedRow) -> f32;
 
 /// The Q5_0 (`signed`) or Q5_1 dot product on the best tier `features` has.
 fn q5_dot(features: cpu::Features, signed: bool) -> Dot {
+    #[cfg(target_arch = "x86_64")]
+    if let Some(cpu) = features.avx_vnni() {
+        return avx2::dot_q5(cpu, signed);
+    }
     #[cfg(target_arch = "x86_64")]
     if let Some(cpu) = features.avx2() {
         return avx2::dot_q5(cpu, signed);
@@ -908,6 +916,10 @@ fn dot_kernel(features: cpu::Features, format: BlockFormat) -> Dot {
     #[cfg(target_arch = "x86_64")]
     if let Some(cpu) = features.avx512_vnni() {
         return avx512::dot(cpu, format);
+    }
+    #[cfg(target_arch = "x86_64")]
+    if let Some(cpu) = features.avx_vnni() {
+        return avx2::dot(cpu, format);
     }
     #[cfg(target_arch = "x86_64")]
     if let Some(cpu) = features.avx2() {

@@ -112,6 +112,39 @@ fn activation_quantization_rounds_ties_to_even_like_ggml() {
     assert_eq!(q.s[0], 155.0);
 }
 
+#[test]
+fn the_largest_byte_products_are_exact_on_every_tier() {
+    // Q8_0 weights of -128 and 127 against activations of ±127 whose signs make every product
+    // as large as it gets: the byte pairs AVX2's `maddubs` adds in 16 bits reach 32 512, just
+    // under its saturation, and every tier must give the exact sum.
+    let mut w = Vec::new();
+    for (i, byte) in [0x80u8, 0x7f].into_iter().enumerate() {
+        w.extend(f16::from_f32(0.5 + i as f32).to_le_bytes());
+        w.extend([byte; BLOCK]);
+    }
+    let x: Vec<f32> = (0..2 * BLOCK)
+        .map(|i| if i < BLOCK { -1.0 } else { 1.0 })
+        .collect();
+    let a = quantize_row(&x, false);
+    assert_eq!((a.q[0], a.q[BLOCK]), (-127, 127));
+    let want = dot_kernel(cpu::detect().capped(1), BlockFormat::Q8_0)(&w, &a);
+    // 32 · 128 · 127 · 0.5 / 127 + 32 · 127 · 127 · 1.5 / 127, but for the activation
+    // scale's rounding to f16: no product was clipped.
+    assert!((want / 8144.0 - 1.0).abs() < 1e-4, "portable dot {want}");
+    let mut checked = Vec::new();
+    for tiers in 1..=6 {
+        let features = cpu::detect().capped(tiers);
+        let got = dot_kernel(features, BlockFormat::Q8_0)(&w, &a);
+        assert_eq!(got.to_bits(), want.to_bits(), "{:?}", features.tiers());
+        checked.extend(features.tiers().last().copied());
+    }
+    checked.dedup();
+    eprintln!(
+        "largest byte products checked on tiers: {}",
+        checked.join(", ")
+    );
+}
+
 /// A tier's dot product for each format.
 type DotFor = fn(BlockFormat) -> Dot;
 
@@ -151,6 +184,11 @@ fn every_kernel_matches_the_portable_code_bit_for_bit() {
         if features.avx2().is_some() {
             dots.push(("avx2", |fmt| {
                 avx2::dot(cpu::detect().avx2().expect("avx2"), fmt)
+            }));
+        }
+        if features.avx_vnni().is_some() {
+            dots.push(("avx-vnni", |fmt| {
+                avx2::dot(cpu::detect().avx_vnni().expect("avx-vnni"), fmt)
             }));
         }
         if features.avx512_vnni().is_some() {
@@ -230,7 +268,10 @@ fn every_kernel_matches_the_portable_code_bit_for_bit() {
             )]
             let mut kernels: Vec<Tile> = vec![tile_kernel(features), tile_portable];
             #[cfg(target_arch = "x86_64")]
-            kernels.extend(features.avx2().map(avx2::tile));
+            {
+                kernels.extend(features.avx2().map(avx2::tile));
+                kernels.extend(features.avx_vnni().map(avx2::tile));
+            }
             #[cfg(target_arch = "aarch64")]
             {
                 kernels.extend(features.neon().map(neon::tile));
@@ -569,7 +610,14 @@ fn the_5_bit_formats_compute_what_ggml_computes_bit_for_bit() {
             )]
             let mut dots = vec![if signed { q5::dot_q5_0 } else { q5::dot_q5_1 }];
             #[cfg(target_arch = "x86_64")]
-            dots.extend(cpu::detect().avx2().map(|cpu| avx2::dot_q5(cpu, signed)));
+            {
+                dots.extend(cpu::detect().avx2().map(|cpu| avx2::dot_q5(cpu, signed)));
+                dots.extend(
+                    cpu::detect()
+                        .avx_vnni()
+                        .map(|cpu| avx2::dot_q5(cpu, signed)),
+                );
+            }
             #[cfg(target_arch = "aarch64")]
             {
                 let f = if signed { Batched::Q5_0 } else { Batched::Q5_1 };

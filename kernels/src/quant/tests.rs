@@ -145,6 +145,32 @@ fn the_largest_byte_products_are_exact_on_every_tier() {
     );
 }
 
+/// Says which of the tiers a test covers (`x86`, `arm`: their names as
+/// [`cpu::Features::tiers`] gives them, on each architecture) it checked on this CPU, and
+/// which it could not: a tier the CPU lacks, or `FERRITE_CPU_TIER` caps, is skipped, and the
+/// test output says so.
+fn say_checked(what: &str, x86: &[&str], arm: &[&str]) {
+    let covered = if cfg!(target_arch = "x86_64") {
+        x86
+    } else if cfg!(target_arch = "aarch64") {
+        arm
+    } else {
+        &["portable"]
+    };
+    let here = cpu::detect().tiers();
+    let (checked, missing): (Vec<&str>, Vec<&str>) =
+        covered.iter().copied().partition(|t| here.contains(t));
+    let missing = if missing.is_empty() {
+        String::new()
+    } else {
+        format!(
+            "; not checked (this CPU lacks them or FERRITE_CPU_TIER caps them): {}",
+            missing.join(", ")
+        )
+    };
+    eprintln!("{what} checked on {}{missing}", checked.join(", "));
+}
+
 /// A tier's dot product for each format.
 type DotFor = fn(BlockFormat) -> Dot;
 
@@ -335,6 +361,11 @@ fn vector_activation_quantization_matches_the_scalar_code() {
         assert_eq!(unpacked, nibbles(&packed, 8));
         let _ = &mut wide;
     }
+    say_checked(
+        "activation quantization",
+        &["portable", "avx2"],
+        &["portable", "neon"],
+    );
 }
 
 #[test]
@@ -566,6 +597,11 @@ fn k_quants_compute_what_ggml_computes_bit_for_bit() {
             ggml::assert_decodes(&m, row, &format!("{name} row {r}"));
         }
     }
+    say_checked(
+        "K-quant dot products",
+        &["portable", "avx2"],
+        &["portable", "neon", "neon-dotprod"],
+    );
 }
 
 #[test]
@@ -638,6 +674,11 @@ fn the_5_bit_formats_compute_what_ggml_computes_bit_for_bit() {
             );
         }
     }
+    say_checked(
+        "Q5_0 and Q5_1 dot products",
+        &["portable", "avx2", "avx-vnni"],
+        &["portable", "neon", "neon-dotprod"],
+    );
 }
 
 #[test]

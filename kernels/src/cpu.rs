@@ -33,7 +33,7 @@ pub const TIER_CAP_VAR: &str = "FERRITE_CPU_TIER";
 
 /// The tiers each name of [`TIER_CAP_VAR`] allows, lowest first.
 #[cfg(target_arch = "x86_64")]
-const TIER_NAMES: &[&str] = &[
+pub(crate) const TIER_NAMES: &[&str] = &[
     "portable",
     "avx2",
     "avx-vnni",
@@ -43,10 +43,10 @@ const TIER_NAMES: &[&str] = &[
 ];
 /// The tiers each name of [`TIER_CAP_VAR`] allows, lowest first.
 #[cfg(target_arch = "aarch64")]
-const TIER_NAMES: &[&str] = &["portable", "neon", "neon-dotprod"];
+pub(crate) const TIER_NAMES: &[&str] = &["portable", "neon", "neon-dotprod"];
 /// The tiers each name of [`TIER_CAP_VAR`] allows, lowest first.
 #[cfg(not(any(target_arch = "x86_64", target_arch = "aarch64")))]
-const TIER_NAMES: &[&str] = &["portable"];
+pub(crate) const TIER_NAMES: &[&str] = &["portable"];
 
 /// The CPU's tiers, checked at the first call and remembered, capped by
 /// [`TIER_CAP_VAR`] when it names a tier.
@@ -219,6 +219,35 @@ impl Features {
         }
         tiers
     }
+}
+
+/// A token of a tier whose integer kernels it shares with the tier below it, saying whether
+/// it adds a byte dot-product instruction (four byte products summed into each 32-bit lane:
+/// `vpdpbusd` on `avx-vnni` over `avx2`, `sdot` on `neon-dotprod` over `neon`). Such kernels
+/// take either token and use the instruction where `DOT`.
+pub(crate) trait ByteDot: Copy {
+    /// Whether this tier has the byte dot-product instruction.
+    const DOT: bool;
+}
+
+#[cfg(target_arch = "x86_64")]
+impl ByteDot for Avx2 {
+    const DOT: bool = false;
+}
+
+#[cfg(target_arch = "x86_64")]
+impl ByteDot for AvxVnni {
+    const DOT: bool = true;
+}
+
+#[cfg(target_arch = "aarch64")]
+impl ByteDot for Neon {
+    const DOT: bool = false;
+}
+
+#[cfg(target_arch = "aarch64")]
+impl ByteDot for NeonDotprod {
+    const DOT: bool = true;
 }
 
 /// Proof that the CPU runs AVX2, FMA and F16C.

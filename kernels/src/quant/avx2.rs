@@ -3,7 +3,8 @@
 //! `avx-vnni` tier the 32-value formats' lanes are one `vpdpbusd` instead (exact four-product
 //! sums, as `maddubs` is here: its 16-bit pair sums cannot saturate with these formats'
 //! values), so the same bits in one instruction where AVX2 takes two. Every entry point
-//! takes (or is handed out by a function that takes) the [`Avx2`] or [`AvxVnni`] token.
+//! takes (or is handed out by a function that takes) the [`Avx2`] or [`crate::cpu::AvxVnni`]
+//! token.
 
 use std::arch::x86_64::*;
 
@@ -11,21 +12,7 @@ use super::float::{self, Activation, FloatFormat};
 use super::portable::hsum8;
 use super::sse2::Carry;
 use super::{f16_at, BlockFormat, Dot, QuantizedRow, Tile, Unpacked, BLOCK};
-use crate::cpu::{Avx2, AvxVnni};
-
-/// The two 256-bit integer tiers' tokens: whether the kernels they hand out use AVX-VNNI.
-pub(crate) trait Avx2Tier: Copy {
-    /// Whether this tier has AVX-VNNI's `vpdpbusd`.
-    const VNNI: bool;
-}
-
-impl Avx2Tier for Avx2 {
-    const VNNI: bool = false;
-}
-
-impl Avx2Tier for AvxVnni {
-    const VNNI: bool = true;
-}
+use crate::cpu::{Avx2, ByteDot, Features};
 
 /// `f`, compiled with its tier's target features — AVX2, FMA and F16C, and AVX-VNNI where
 /// `VNNI` — so that the `#[inline]` kernel bodies it calls are inlined with them.
@@ -276,10 +263,35 @@ fn tile_pair_avx2<const VNNI: bool>(u: &Unpacked, a: [&QuantizedRow; 2]) -> [[f3
     })
 }
 
+/// The dot product for `format` on the better of the AVX2 tiers `features` has, if any.
+pub(super) fn best_dot(features: Features, format: BlockFormat) -> Option<Dot> {
+    match features.avx_vnni() {
+        Some(cpu) => Some(dot(cpu, format)),
+        None => features.avx2().map(|cpu| dot(cpu, format)),
+    }
+}
+
+/// The buffered tile on the better of the AVX2 tiers `features` has, if any.
+pub(super) fn best_tile(features: Features) -> Option<Tile> {
+    match features.avx_vnni() {
+        Some(cpu) => Some(tile(cpu)),
+        None => features.avx2().map(tile),
+    }
+}
+
+/// The Q5_0 (`signed`) or Q5_1 dot product on the better of the AVX2 tiers `features` has,
+/// if any.
+pub(super) fn best_dot_q5(features: Features, signed: bool) -> Option<Dot> {
+    match features.avx_vnni() {
+        Some(cpu) => Some(dot_q5(cpu, signed)),
+        None => features.avx2().map(|cpu| dot_q5(cpu, signed)),
+    }
+}
+
 /// The dot product for `format` on tier `T`.
-pub(super) fn dot<T: Avx2Tier>(cpu: T, format: BlockFormat) -> Dot {
+pub(super) fn dot<T: ByteDot>(cpu: T, format: BlockFormat) -> Dot {
     let _ = cpu;
-    if T::VNNI {
+    if T::DOT {
         dots::<true>(format)
     } else {
         dots::<false>(format)
@@ -295,9 +307,9 @@ fn dots<const VNNI: bool>(format: BlockFormat) -> Dot {
 }
 
 /// The buffered tile on tier `T`.
-pub(super) fn tile<T: Avx2Tier>(cpu: T) -> Tile {
+pub(super) fn tile<T: ByteDot>(cpu: T) -> Tile {
     let _ = cpu;
-    if T::VNNI {
+    if T::DOT {
         tile_rows::<true>
     } else {
         tile_rows::<false>
@@ -337,9 +349,9 @@ fn dot_q8_0<const VNNI: bool>(w: &[u8], a: &QuantizedRow) -> f32 {
 }
 
 /// The Q5_0 (`signed`) or Q5_1 dot product on tier `T`.
-pub(super) fn dot_q5<T: Avx2Tier>(cpu: T, signed: bool) -> Dot {
+pub(super) fn dot_q5<T: ByteDot>(cpu: T, signed: bool) -> Dot {
     let _ = cpu;
-    match (signed, T::VNNI) {
+    match (signed, T::DOT) {
         (true, false) => q5::<true, false>,
         (false, false) => q5::<false, false>,
         (true, true) => q5::<true, true>,

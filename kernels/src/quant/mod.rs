@@ -829,12 +829,8 @@ type Tile = fn(&Unpacked, &[QuantizedRow], &mut [[f32; 4]]);
 /// The buffered tile of the best tier `features` has.
 fn tile_kernel(features: cpu::Features) -> Tile {
     #[cfg(target_arch = "x86_64")]
-    if let Some(cpu) = features.avx_vnni() {
-        return avx2::tile(cpu);
-    }
-    #[cfg(target_arch = "x86_64")]
-    if let Some(cpu) = features.avx2() {
-        return avx2::tile(cpu);
+    if let Some(tile) = avx2::best_tile(features) {
+        return tile;
     }
     #[cfg(target_arch = "aarch64")]
     if let Some(tile) = neon::best_tile(features) {
@@ -855,12 +851,8 @@ type Dot = fn(&[u8], &QuantizedRow) -> f32;
 /// The Q5_0 (`signed`) or Q5_1 dot product on the best tier `features` has.
 fn q5_dot(features: cpu::Features, signed: bool) -> Dot {
     #[cfg(target_arch = "x86_64")]
-    if let Some(cpu) = features.avx_vnni() {
-        return avx2::dot_q5(cpu, signed);
-    }
-    #[cfg(target_arch = "x86_64")]
-    if let Some(cpu) = features.avx2() {
-        return avx2::dot_q5(cpu, signed);
+    if let Some(dot) = avx2::best_dot_q5(features, signed) {
+        return dot;
     }
     #[cfg(target_arch = "aarch64")]
     if let Some(dot) = neon::best_dot(features, if signed { Batched::Q5_0 } else { Batched::Q5_1 })
@@ -918,12 +910,8 @@ fn dot_kernel(features: cpu::Features, format: BlockFormat) -> Dot {
         return avx512::dot(cpu, format);
     }
     #[cfg(target_arch = "x86_64")]
-    if let Some(cpu) = features.avx_vnni() {
-        return avx2::dot(cpu, format);
-    }
-    #[cfg(target_arch = "x86_64")]
-    if let Some(cpu) = features.avx2() {
-        return avx2::dot(cpu, format);
+    if let Some(dot) = avx2::best_dot(features, format) {
+        return dot;
     }
     #[cfg(target_arch = "aarch64")]
     if let Some(dot) = neon::best_dot(features, Batched::Block(format)) {

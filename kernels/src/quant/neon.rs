@@ -16,21 +16,7 @@ use std::arch::asm;
 use super::float::{self, Activation, FloatFormat, LANES, PAIR_BLOCK};
 use super::portable::hsum8;
 use super::{f16_at, q5, Batched, BlockFormat, Dot, QuantizedRow, Tile, Unpacked, BLOCK};
-use crate::cpu::{Features, Neon, NeonDotprod};
-
-/// The two NEON tiers' tokens: whether the integer kernels they hand out use `sdot`.
-pub(crate) trait NeonTier: Copy {
-    /// Whether this tier has the dot product instructions.
-    const DOT: bool;
-}
-
-impl NeonTier for Neon {
-    const DOT: bool = false;
-}
-
-impl NeonTier for NeonDotprod {
-    const DOT: bool = true;
-}
+use crate::cpu::{ByteDot, Features, Neon};
 
 // The block formats, as the kernels' const parameter.
 const Q4_0: u8 = 0;
@@ -217,7 +203,7 @@ pub(super) fn best_dot(features: Features, format: Batched) -> Option<Dot> {
 }
 
 /// The dot product for `format` on tier `T`.
-pub(super) fn dot<T: NeonTier>(cpu: T, format: Batched) -> Dot {
+pub(super) fn dot<T: ByteDot>(cpu: T, format: Batched) -> Dot {
     let _ = cpu;
     if T::DOT {
         dots::<true>(format)
@@ -258,7 +244,7 @@ pub(super) fn best_tile(features: Features) -> Option<Tile> {
 
 /// The buffered tile on tier `T`: four unpacked weight rows against the activation rows
 /// two at a time, each weight block loaded once for both.
-pub(super) fn tile<T: NeonTier>(cpu: T) -> Tile {
+pub(super) fn tile<T: ByteDot>(cpu: T) -> Tile {
     let _ = cpu;
     if T::DOT {
         tile_rows::<true>

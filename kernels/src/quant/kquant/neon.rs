@@ -12,12 +12,12 @@
 
 use std::arch::aarch64::*;
 
-use super::super::neon::{dot4, lanes8, NeonTier};
+use super::super::neon::{dot4, lanes8};
 use super::super::portable::hsum8;
 use super::{
     f16_at, format, scales_mins_k4, scales_q3k, KFormat, Q8KRow, Q2, Q3, Q4, Q5, Q6, QK_K,
 };
-use crate::cpu::Features;
+use crate::cpu::{ByteDot, Features};
 use crate::quant::PairTile;
 
 /// One weight row's super-block, unpacked.
@@ -362,7 +362,7 @@ pub(crate) fn best_dot(features: Features, format: KFormat) -> Option<fn(&[u8], 
 }
 
 /// The dot product for `format` on tier `T`.
-pub(crate) fn dot<T: NeonTier>(cpu: T, format: KFormat) -> fn(&[u8], &Q8KRow) -> f32 {
+pub(crate) fn dot<T: ByteDot>(cpu: T, format: KFormat) -> fn(&[u8], &Q8KRow) -> f32 {
     let _ = cpu;
     if T::DOT {
         dots::<true>(format)
@@ -395,7 +395,7 @@ pub(crate) fn best_tile(features: Features, format: KFormat) -> Option<PairTile<
 
 /// The tile for `format` on tier `T`: four weight rows against every activation row, each
 /// pair's result its dot product's bits.
-pub(crate) fn tile<T: NeonTier>(cpu: T, format: KFormat) -> PairTile<Q8KRow> {
+pub(crate) fn tile<T: ByteDot>(cpu: T, format: KFormat) -> PairTile<Q8KRow> {
     let _ = cpu;
     if T::DOT {
         tiles::<true>(format)

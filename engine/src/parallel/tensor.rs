@@ -106,6 +106,15 @@ impl std::fmt::Debug for TensorGroup {
     }
 }
 
+/// Whether tensor rank 0 has yet to create the region at `path`, or has created the file and
+/// not yet given it its length (an empty file cannot be mapped): a peer then waits.
+fn not_there_yet(path: &Path) -> bool {
+    match std::fs::metadata(path) {
+        Ok(m) => m.len() == 0,
+        Err(e) => e.kind() == std::io::ErrorKind::NotFound,
+    }
+}
+
 fn region_error(path: &Path, e: std::io::Error) -> Error {
     Error::Group(format!(
         "tensor-parallel shared memory {}: {e}",
@@ -292,9 +301,7 @@ impl TensorGroup {
                     break r
                 }
                 Ok(_) => {}
-                // Not created yet, or created by tensor rank 0 and not yet given its length
-                // (an empty file cannot be mapped).
-                Err(_) if std::fs::metadata(path).map_or(true, |m| m.len() == 0) => {}
+                Err(_) if not_there_yet(path) => {}
                 Err(e) => return Err(region_error(path, e)),
             }
             if Instant::now() >= deadline {

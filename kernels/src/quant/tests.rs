@@ -131,44 +131,34 @@ fn the_largest_byte_products_are_exact_on_every_tier() {
     // 32 · 128 · 127 · 0.5 / 127 + 32 · 127 · 127 · 1.5 / 127, but for the activation
     // scale's rounding to f16: no product was clipped.
     assert!((want / 8144.0 - 1.0).abs() < 1e-4, "portable dot {want}");
-    let mut checked = Vec::new();
-    for tiers in 1..=6 {
+    let mut ran = Vec::new();
+    for tiers in 1..=cpu::TIER_NAMES.len() {
         let features = cpu::detect().capped(tiers);
         let got = dot_kernel(features, BlockFormat::Q8_0)(&w, &a);
         assert_eq!(got.to_bits(), want.to_bits(), "{:?}", features.tiers());
-        checked.extend(features.tiers().last().copied());
+        ran.extend(features.tiers().last().copied());
     }
-    checked.dedup();
-    eprintln!(
-        "largest byte products checked on tiers: {}",
-        checked.join(", ")
+    say_checked(
+        "the largest byte products (under each FERRITE_CPU_TIER cap)",
+        &ran,
     );
 }
 
-/// Says which of the tiers a test covers (`x86`, `arm`: their names as
-/// [`cpu::Features::tiers`] gives them, on each architecture) it checked on this CPU, and
-/// which it could not: a tier the CPU lacks, or `FERRITE_CPU_TIER` caps, is skipped, and the
-/// test output says so.
-fn say_checked(what: &str, x86: &[&str], arm: &[&str]) {
-    let covered = if cfg!(target_arch = "x86_64") {
-        x86
-    } else if cfg!(target_arch = "aarch64") {
-        arm
-    } else {
-        &["portable"]
-    };
-    let here = cpu::detect().tiers();
-    let (checked, missing): (Vec<&str>, Vec<&str>) =
-        covered.iter().copied().partition(|t| here.contains(t));
-    let missing = if missing.is_empty() {
-        String::new()
-    } else {
-        format!(
-            "; not checked (this CPU lacks them or FERRITE_CPU_TIER caps them): {}",
-            missing.join(", ")
-        )
-    };
-    eprintln!("{what} checked on {}{missing}", checked.join(", "));
+/// Says which tiers a test checked (`ran`: each tier it ran, as often as it ran it) beside
+/// the tiers this CPU runs as `FERRITE_CPU_TIER` leaves them, so that a tier skipped for want
+/// of the CPU shows in the test output rather than passing silently.
+fn say_checked(what: &str, ran: &[&str]) {
+    let mut checked: Vec<&str> = Vec::new();
+    for &tier in ran {
+        if !checked.contains(&tier) {
+            checked.push(tier);
+        }
+    }
+    eprintln!(
+        "{what} checked on {}; this CPU's tiers: {}",
+        checked.join(", "),
+        cpu::detect().tiers().join(", ")
+    );
 }
 
 /// A tier's dot product for each format.
@@ -238,10 +228,7 @@ fn every_kernel_matches_the_portable_code_bit_for_bit() {
         }
     }
     let names: Vec<&str> = dots.iter().map(|(name, _)| *name).collect();
-    eprintln!(
-        "32-value dot products checked on this CPU: {}",
-        names.join(", ")
-    );
+    say_checked("32-value dot products", &names);
     for fmt in [BlockFormat::Q4_0, BlockFormat::Q4_1, BlockFormat::Q8_0] {
         // An odd count of blocks too: the AVX-512 dot takes blocks two at a time.
         for n in [1, 5, nb] {
@@ -327,6 +314,11 @@ fn vector_activation_quantization_matches_the_scalar_code() {
     x[BLOCK + 2] = -2.5;
     x[BLOCK + 3] = 0.5;
     x[2 * BLOCK] = -1e30;
+    #[cfg_attr(
+        not(any(target_arch = "x86_64", target_arch = "aarch64")),
+        allow(unused_mut)
+    )]
+    let mut ran = vec!["portable"];
     for (b, block) in x.chunks_exact(BLOCK).enumerate() {
         let (mut scalar, mut wide) = ([0i8; BLOCK], [0i8; BLOCK]);
         #[cfg_attr(
@@ -350,10 +342,12 @@ fn vector_activation_quantization_matches_the_scalar_code() {
         #[cfg(target_arch = "x86_64")]
         if let Some(cpu) = cpu::detect().avx2() {
             check(avx2::quantize_block(cpu, block, &mut wide), &wide);
+            ran.push("avx2");
         }
         #[cfg(target_arch = "aarch64")]
         if let Some(cpu) = cpu::detect().neon() {
             check(neon::quantize_block(cpu, block, &mut wide), &wide);
+            ran.push("neon");
         }
         let mut unpacked = [0i8; BLOCK];
         let packed: Vec<u8> = (0..16).map(|j| (j * 37 + b) as u8).collect();
@@ -361,11 +355,7 @@ fn vector_activation_quantization_matches_the_scalar_code() {
         assert_eq!(unpacked, nibbles(&packed, 8));
         let _ = &mut wide;
     }
-    say_checked(
-        "activation quantization",
-        &["portable", "avx2"],
-        &["portable", "neon"],
-    );
+    say_checked("activation quantization", &ran);
 }
 
 #[test]
@@ -556,6 +546,11 @@ mod ggml {
 
 #[test]
 fn k_quants_compute_what_ggml_computes_bit_for_bit() {
+    #[cfg_attr(
+        not(any(target_arch = "x86_64", target_arch = "aarch64")),
+        allow(unused_mut)
+    )]
+    let mut ran = vec!["portable"];
     for (format, name) in ggml::K_FORMATS {
         for (r, row) in ggml::rows(name).iter().enumerate() {
             let a = kquant::quantize_row_q8k(&row.x);
@@ -575,16 +570,19 @@ fn k_quants_compute_what_ggml_computes_bit_for_bit() {
             if let Some(cpu) = cpu::detect().avx2() {
                 let v = kquant::avx2::dot(cpu, format)(&row.weights, &a);
                 assert_eq!(v.to_bits(), row.dot.to_bits(), "{name} row {r}: AVX2 dot");
+                ran.push("avx2");
             }
             #[cfg(target_arch = "aarch64")]
             {
                 if let Some(cpu) = cpu::detect().neon() {
                     let v = kquant::neon::dot(cpu, format)(&row.weights, &a);
                     assert_eq!(v.to_bits(), row.dot.to_bits(), "{name} row {r}: NEON dot");
+                    ran.push("neon");
                 }
                 if let Some(cpu) = cpu::detect().neon_dotprod() {
                     let v = kquant::neon::dot(cpu, format)(&row.weights, &a);
                     assert_eq!(v.to_bits(), row.dot.to_bits(), "{name} row {r}: sdot");
+                    ran.push("neon-dotprod");
                 }
             }
             let m = QuantMatrix::from_gguf(WeightFormat::K(format), 1, row.x.len(), &row.weights)
@@ -597,11 +595,7 @@ fn k_quants_compute_what_ggml_computes_bit_for_bit() {
             ggml::assert_decodes(&m, row, &format!("{name} row {r}"));
         }
     }
-    say_checked(
-        "K-quant dot products",
-        &["portable", "avx2"],
-        &["portable", "neon", "neon-dotprod"],
-    );
+    say_checked("K-quant dot products", &ran);
 }
 
 #[test]
@@ -636,33 +630,46 @@ fn the_32_value_formats_compute_what_ggml_computes_bit_for_bit() {
 
 #[test]
 fn the_5_bit_formats_compute_what_ggml_computes_bit_for_bit() {
+    let mut ran = Vec::new();
     for (format, name) in [(WeightFormat::Q5_0, "q5_0"), (WeightFormat::Q5_1, "q5_1")] {
         let signed = format == WeightFormat::Q5_0;
         for (r, row) in ggml::rows(name).iter().enumerate() {
             let a = quantize_row(&row.x, !signed);
+            let portable = if signed { q5::dot_q5_0 } else { q5::dot_q5_1 };
             #[cfg_attr(
                 not(any(target_arch = "x86_64", target_arch = "aarch64")),
                 allow(unused_mut)
             )]
-            let mut dots = vec![if signed { q5::dot_q5_0 } else { q5::dot_q5_1 }];
+            let mut dots: Vec<(&str, Dot)> = vec![("portable", portable)];
             #[cfg(target_arch = "x86_64")]
             {
-                dots.extend(cpu::detect().avx2().map(|cpu| avx2::dot_q5(cpu, signed)));
+                let f = cpu::detect();
+                dots.extend(f.avx2().map(|cpu| ("avx2", avx2::dot_q5(cpu, signed))));
                 dots.extend(
-                    cpu::detect()
-                        .avx_vnni()
-                        .map(|cpu| avx2::dot_q5(cpu, signed)),
+                    f.avx_vnni()
+                        .map(|cpu| ("avx-vnni", avx2::dot_q5(cpu, signed))),
                 );
             }
             #[cfg(target_arch = "aarch64")]
             {
-                let f = if signed { Batched::Q5_0 } else { Batched::Q5_1 };
-                dots.extend(cpu::detect().neon().map(|cpu| neon::dot(cpu, f)));
-                dots.extend(cpu::detect().neon_dotprod().map(|cpu| neon::dot(cpu, f)));
+                let (f, b) = (
+                    cpu::detect(),
+                    if signed { Batched::Q5_0 } else { Batched::Q5_1 },
+                );
+                dots.extend(f.neon().map(|cpu| ("neon", neon::dot(cpu, b))));
+                dots.extend(
+                    f.neon_dotprod()
+                        .map(|cpu| ("neon-dotprod", neon::dot(cpu, b))),
+                );
             }
-            for dot in dots {
+            for (tier, dot) in dots {
                 let got = dot(&row.weights, &a);
-                assert_eq!(got.to_bits(), row.dot.to_bits(), "{name} row {r}: dot");
+                assert_eq!(
+                    got.to_bits(),
+                    row.dot.to_bits(),
+                    "{name} row {r}: {tier} dot"
+                );
+                ran.push(tier);
             }
             let m = QuantMatrix::from_gguf(format, 1, row.x.len(), &row.weights).expect("sizes");
             ggml::assert_decodes(&m, row, &format!("{name} row {r}"));
@@ -674,11 +681,7 @@ fn the_5_bit_formats_compute_what_ggml_computes_bit_for_bit() {
             );
         }
     }
-    say_checked(
-        "Q5_0 and Q5_1 dot products",
-        &["portable", "avx2", "avx-vnni"],
-        &["portable", "neon", "neon-dotprod"],
-    );
+    say_checked("Q5_0 and Q5_1 dot products", &ran);
 }
 
 #[test]
@@ -740,7 +743,7 @@ fn float_kernels() -> Vec<(&'static str, float::FloatKernel)> {
             .map(|c| ("neon", float::FloatKernel::Neon(c))),
     );
     let names: Vec<&str> = kernels.iter().map(|(n, _)| *n).collect();
-    eprintln!("float kernels checked on this CPU: {}", names.join(", "));
+    say_checked("float kernels", &names);
     kernels
 }
 

@@ -152,3 +152,29 @@ fn repeated_rounds_report_the_median_and_the_range_of_each_rounds_ratio() {
     let (low, high): (f64, f64) = (low.parse().expect("low"), high.parse().expect("high"));
     assert!(low <= high, "{two}");
 }
+
+#[test]
+fn the_decode_bound_is_the_read_bandwidth_over_the_weights_read_per_token() {
+    let stdout = bench(&["--concurrency", "--naive-requests", "0"]);
+    // The number in the row that starts with `label`, before its unit.
+    let figure = |label: &str| -> f64 {
+        stdout
+            .lines()
+            .find(|l| l.starts_with(label))
+            .and_then(|l| l.split(" | ").nth(1))
+            .and_then(|v| v.split_whitespace().next())
+            .and_then(|v| v.parse().ok())
+            .unwrap_or_else(|| panic!("no figure in a {label:?} row:\n{stdout}"))
+    };
+    let read = figure("| memory bandwidth (read) |");
+    let copy = figure("| memory bandwidth (copy, read+write) |");
+    let weights = figure("| weights read per token |");
+    let bound = figure("| decode bound (read bandwidth / weights) |");
+    assert!(read > 0.0 && copy > 0.0 && weights > 0.0, "{stdout}");
+    // GB/s over MB per token, to the printed figures' rounding.
+    let want = read * 1e3 / weights;
+    assert!(
+        (bound - want).abs() <= 0.01 * want,
+        "bound {bound} tok/s, read bandwidth / weights {want}:\n{stdout}"
+    );
+}

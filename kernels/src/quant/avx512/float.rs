@@ -225,7 +225,11 @@ const BLOCK: usize = 4096;
 
 /// Four widened weight rows against activation rows `x` (a multiple of four, at most
 /// [`TILE_ROWS`]): `out[a][r]`. The column loop runs once per 16-lane quarter of each
-/// 64-value step, for four activation rows at a time, a block of columns at a time — the
+/// 64-value step, for four activation rows at a time, a block of columns at a time — each
+/// quarter's passes over all the activation rows one after the other, so the weight lines a
+/// quarter reads (16 KiB of a block) are met again from L1 rather than L2 (Zen 5, 2
+/// threads, random 1.1B F16 prompt processing of 512 tokens, alternating: 94–97 → 106–110
+/// tok/s against the activation rows' passes outermost); the
 /// quarters' partial sums never meet before the fold, so each lane's chain of multiply-adds
 /// is the one [`dot`] runs — with sixteen accumulators, each weight and activation vector
 /// loaded once for four products.
@@ -270,9 +274,10 @@ unsafe fn tile_avx512(
     let mut ahead = shares(ahead, 4 * tiles * blocks);
     for b in 0..blocks {
         let (from, to) = (b * BLOCK, ((b + 1) * BLOCK).min(whole));
-        for (t, part) in part.iter_mut().take(tiles).enumerate() {
-            let xp: [*const f32; 4] = std::array::from_fn(|a| x[4 * t + a].as_ptr());
-            for (q, part) in part.iter_mut().enumerate() {
+        for q in 0..4 {
+            for (t, part) in part.iter_mut().take(tiles).enumerate() {
+                let part = &mut part[q];
+                let xp: [*const f32; 4] = std::array::from_fn(|a| x[4 * t + a].as_ptr());
                 for line in ahead.next().unwrap_or_default().chunks(64) {
                     _mm_prefetch::<_MM_HINT_T0>(line.as_ptr().cast());
                 }

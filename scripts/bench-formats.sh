@@ -22,7 +22,10 @@ if [ ! -f "$F16" ]; then
     "$F16.part" --hidden 2048 --ffn 8192 --heads 32 --kv-heads 8 --layers 16 --vocab 32000 --ctx 4096 --f16
   mv "$F16.part" "$F16"
 fi
-CPU="$(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | xargs)"
+# The model name, and its family and model numbers: some VMs name only the vendor's line
+# ("AMD EPYC"), which does not tell one generation from the next.
+cpuinfo() { grep -m1 "^$1" /proc/cpuinfo | cut -d: -f2 | xargs; }
+CPU="$(cpuinfo 'model name') (family $(cpuinfo 'cpu family'), model $(cpuinfo 'model'))"
 for f in $FORMATS; do
   FILE="$MODELS/random-1b-$f.gguf"
   if [ ! -f "$FILE" ]; then

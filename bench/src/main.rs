@@ -223,7 +223,7 @@ fn report(args: ReportArgs) -> Result<()> {
     }
     let m = &results.machine;
     let mut out = format!(
-        "Machine: {} ({} logical cores, {} GiB).\n\n",
+        "Machine: {}; {} logical cores, {} GiB.\n\n",
         m.cpu, m.cores, m.memory_gib
     );
     out.push_str(&table(&results.runs.iter().collect::<Vec<_>>()));

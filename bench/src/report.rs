@@ -24,12 +24,7 @@ impl Machine {
     /// This machine, from `/proc/cpuinfo` and `/proc/meminfo` (empty fields elsewhere).
     pub fn this() -> Self {
         let cpuinfo = std::fs::read_to_string("/proc/cpuinfo").unwrap_or_default();
-        let cpu = cpuinfo
-            .lines()
-            .find(|l| l.starts_with("model name"))
-            .and_then(|l| l.split(':').nth(1))
-            .map(|s| s.trim().to_string())
-            .unwrap_or_default();
+        let cpu = cpu_name(&cpuinfo);
         let meminfo = std::fs::read_to_string("/proc/meminfo").unwrap_or_default();
         let kib: f64 = meminfo
             .lines()
@@ -42,6 +37,24 @@ impl Machine {
             cores: std::thread::available_parallelism().map_or(0, |n| n.get()),
             memory_gib: (kib / 1024.0 / 1024.0 * 10.0).round() / 10.0,
         }
+    }
+}
+
+/// The CPU's model name in `/proc/cpuinfo` text, with its family and model numbers where
+/// it gives them (x86): some VMs name only the vendor's line ("AMD EPYC"), which does not
+/// tell one generation from the next.
+fn cpu_name(cpuinfo: &str) -> String {
+    let field = |name: &str| {
+        cpuinfo
+            .lines()
+            .find(|l| l.split(':').next().map(str::trim) == Some(name))
+            .and_then(|l| l.split_once(':'))
+            .map(|(_, v)| v.trim().to_string())
+    };
+    let name = field("model name").unwrap_or_default();
+    match (field("cpu family"), field("model")) {
+        (Some(family), Some(model)) => format!("{name} (family {family}, model {model})"),
+        _ => name,
     }
 }
 
@@ -247,6 +260,15 @@ pub fn ratios(results: &Results, ours: &str, peer: &str) -> Option<String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_cpu_name_carries_its_family_and_model_where_cpuinfo_has_them() {
+        let zen5 = "processor\t: 0\nvendor_id\t: AuthenticAMD\ncpu family\t: 26\n\
+                    model\t\t: 2\nmodel name\t: AMD EPYC\nstepping\t: 1\n";
+        assert_eq!(cpu_name(zen5), "AMD EPYC (family 26, model 2)");
+        // arm64's cpuinfo has neither a model name nor a family: nothing is made up.
+        assert_eq!(cpu_name("processor\t: 0\nCPU part\t: 0xd0c\n"), "");
+    }
 
     fn run(label: &str, load: Load, tok_s: f64, ttft: f64) -> Run {
         Run {

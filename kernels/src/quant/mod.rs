@@ -421,7 +421,11 @@ impl QuantMatrix {
                     .format
                     .batched()
                     .unwrap_or(Batched::Block(BlockFormat::Q8_0));
-                if m == 1 {
+                // One activation row against Q4_0 or Q4_1 runs on the tiles below, four
+                // weight rows at a time: one row's dot product waits on a multiply-add per
+                // 18- or 20-byte block, slower than memory (see `prefetch_rows`).
+                let four_bit = matches!(f, Batched::Block(BlockFormat::Q4_0 | BlockFormat::Q4_1));
+                if m == 1 && !four_bit {
                     // One weight row after the next: one stream (see `prefetch_rows`).
                     let quantize = |r: &[f32]| quantize_row(r, f.mins());
                     self.matmul_pairs(x, m, quantize, f.dot(features), None)
@@ -544,9 +548,16 @@ impl QuantMatrix {
     /// whole row ahead of it only queued requests in its way. Measured on an AMD EPYC (Zen
     /// 4), 2 threads, 768 MiB of 8192 × 2048 matrices against one activation row, with ->
     /// without it: BF16 12.3 -> 25.4 GB/s, Q4_K 15.1 -> 18.0 GB/s, Q6_K 17.3 -> 21.6 GB/s.
-    /// There, one row at a time also beats four rows side by side, prefetched or not, on
-    /// the AVX-512 VNNI and the AVX2 tier alike: Q8_0 11.5 -> 18 GB/s (AVX2 13.2 -> 16.9),
-    /// Q4_1 8.3 -> 11.8 GB/s; Q4_0, bound by its arithmetic there, about even (~9.5).
+    /// There, one row at a time also beat the four-row one-activation kernel it replaced,
+    /// prefetched or not, on the AVX-512 VNNI and the AVX2 tier alike: Q8_0 11.5 -> 18 GB/s
+    /// (AVX2 13.2 -> 16.9), Q4_1 8.3 -> 11.8 GB/s; Q4_0, bound by its arithmetic there,
+    /// about even (~9.5). Q4_0 and Q4_1 against one row have since moved to the packed
+    /// tiles, four rows side by side with these prefetches: one 4-bit row's dot product
+    /// waits on a multiply-add per block, and on a Zen 5 (2 threads, random 1.1B Q4_1
+    /// single-stream decode, `ferrite-engine bench`) it ran at 25–28 tok/s against the
+    /// tiles' 50–61, on the AVX2 tier 25 against 31; the default model (SmolLM2-135M Q4_1)
+    /// 216–237 against 361. Q8_0 and Q5_0 stay one row at a time (Q5_0 there 17–19 against
+    /// 10 tok/s).
     fn prefetch_rows(&self, from: usize, to: usize, end: usize) {
         let to = to.min(end);
         if from >= to {

@@ -504,7 +504,7 @@ pub(super) fn float_tile(
     out: &mut [[f32; 4]],
 ) {
     let _ = cpu;
-    float::tile_columns(w, x, out.len(), 2);
+    float::tile_columns(w.map(<[f32]>::len), x, out.len(), 2);
     // SAFETY: `cpu` proves AVX2 and FMA; every row holds as many values as `x[0]`.
     unsafe { float_tile_avx2(format, w, x, ahead, out) }
 }

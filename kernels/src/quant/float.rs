@@ -571,6 +571,37 @@ impl FloatKernel {
         }
     }
 
+    /// Four F16 weight rows as stored against activation rows `x` (a multiple of four, at
+    /// most [`TILE_ROWS`]): [`FloatKernel::tile`]'s results without a widened copy of the
+    /// rows. The AVX-512 tile widens each weight vector as it loads it
+    /// ([`FloatKernel::has_tile_f16`]); other kernels take one dot product per output.
+    pub(crate) fn tile_f16(self, w: [&[u8]; 4], x: &[&[f32]], ahead: &[u8], out: &mut [[f32; 4]]) {
+        match self {
+            #[cfg(target_arch = "x86_64")]
+            FloatKernel::Avx512(cpu) => super::avx512::float::tile_f16(cpu, w, x, ahead, out),
+            #[cfg(target_arch = "x86_64")]
+            FloatKernel::Avx512Bf16(cpu) => {
+                super::avx512::float::tile_f16(cpu.avx512(), w, x, ahead, out)
+            }
+            _ => {
+                super::prefetch(ahead);
+                for (o, x) in out.iter_mut().zip(x) {
+                    *o = w.map(|w| self.dot(FloatFormat::F16, w, x));
+                }
+            }
+        }
+    }
+
+    /// Whether [`FloatKernel::tile_f16`] is this kernel's fastest way through F16 weights
+    /// (it widens as it loads, where [`FloatKernel::tile`] needs rows widened beforehand).
+    pub(crate) fn has_tile_f16(self) -> bool {
+        match self {
+            #[cfg(target_arch = "x86_64")]
+            FloatKernel::Avx512(_) | FloatKernel::Avx512Bf16(_) => true,
+            _ => false,
+        }
+    }
+
     /// Weight row `row` (in `format`) widened exactly to f32 into `out`, in the order the
     /// kernels read it ([`FloatFormat::widen_paired`]).
     pub(crate) fn widen(self, format: FloatFormat, row: &[u8], out: &mut [f32]) {
@@ -630,16 +661,22 @@ impl FloatKernel {
 }
 
 /// Checks a tile's rows (`x` a multiple of `group` rows, at most [`TILE_ROWS`], as many
-/// outputs, every row as long as `x[0]`) and returns their length.
+/// outputs, every activation row as long as `x[0]`, and weight rows holding at least
+/// `values` each) and returns the activation rows' length.
 #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
-pub(crate) fn tile_columns(w: [&[f32]; 4], x: &[&[f32]], outputs: usize, group: usize) -> usize {
+pub(crate) fn tile_columns<T>(
+    values: [usize; 4],
+    x: &[&[T]],
+    outputs: usize,
+    group: usize,
+) -> usize {
     let k = x.first().map_or(0, |x| x.len());
     assert!(
         x.len().is_multiple_of(group) && x.len() <= TILE_ROWS && outputs >= x.len(),
         "a tile takes activation rows {group} at a time, at most {TILE_ROWS}"
     );
     assert!(
-        w.iter().all(|w| w.len() >= k) && x.iter().all(|x| x.len() == k),
+        values.iter().all(|&v| v >= k) && x.iter().all(|x| x.len() == k),
         "rows shorter than the product's input"
     );
     k
@@ -811,9 +848,11 @@ impl QuantMatrix {
         let scratch = aligned(scratch, 4 * k);
         let mut tiles = [[0f32; 4]; TILE_ROWS];
         let fours = m / 4 * 4;
+        // F16 rows are widened as the tile loads them where it can, with no copy.
+        let stored = format == FloatFormat::F16 && kernel.has_tile_f16();
         for r in (range.start..quads).step_by(4) {
             let raw: [&[u8]; 4] = std::array::from_fn(|j| self.weight_row(r + j));
-            if pairs.is_none() {
+            if pairs.is_none() && !stored {
                 for (j, w) in scratch.chunks_exact_mut(k).enumerate() {
                     kernel.widen(format, raw[j], w);
                 }
@@ -841,7 +880,11 @@ impl QuantMatrix {
                     for (x, row) in x.iter_mut().zip(acts.x[i * k..(i + n) * k].chunks_exact(k)) {
                         *x = row;
                     }
-                    kernel.tile(format, w, &x[..n], ahead, &mut tiles[..n]);
+                    if stored {
+                        kernel.tile_f16(raw, &x[..n], ahead, &mut tiles[..n]);
+                    } else {
+                        kernel.tile(format, w, &x[..n], ahead, &mut tiles[..n]);
+                    }
                 }
                 for (a, v) in tiles[..n].iter().enumerate() {
                     for (j, &v) in v.iter().enumerate() {
@@ -850,7 +893,7 @@ impl QuantMatrix {
                 }
             }
             for i in fours..m {
-                let v = if pairs.is_some() {
+                let v = if pairs.is_some() || stored {
                     raw.map(|w| dot(w, i))
                 } else {
                     kernel.quad(format, w, &acts.x[i * k..(i + 1) * k])

@@ -886,6 +886,19 @@ fn float_kernels_match_the_portable_code_bit_for_bit() {
                 if let Some(pairs) = kernel.pair_tiles(format) {
                     assert_bf16_tile(pairs, &rows, &raw_x);
                 }
+                if format == FloatFormat::F16 {
+                    // F16 rows as stored, widened as the tile loads them (or one dot product
+                    // per output where the tier has no such tile): the same bits.
+                    let stored = [0, 1, 2, 3].map(|r| &rows[r].0[..]);
+                    let mut direct = [[f32::NAN; 4]; 8];
+                    kernel.tile_f16(stored, &acts, &[], &mut direct);
+                    assert_eq!(
+                        direct.map(|r| r.map(f32::to_bits)),
+                        tile.map(|r| r.map(f32::to_bits)),
+                        "{format:?} {n}, {tier} tile on stored F16 rows (fast: {})",
+                        kernel.has_tile_f16()
+                    );
+                }
             }
         }
     }

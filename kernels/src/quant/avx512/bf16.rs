@@ -8,7 +8,9 @@
 
 use std::arch::x86_64::*;
 
-use super::super::float::{bf16_to_f32, finish, shares, FloatFormat, LANES, PAIR_BLOCK, TILE_ROWS};
+use super::super::float::{
+    bf16_to_f32, finish, shares, tile_columns, FloatFormat, LANES, PAIR_BLOCK, TILE_ROWS,
+};
 use super::super::sse2::Carry;
 use super::float::{fold, fold4, load};
 use crate::cpu::Avx512Bf16;
@@ -95,16 +97,8 @@ pub(crate) fn tile(
     out: &mut [[f32; 4]],
 ) {
     let _ = cpu;
-    let k = x.first().map_or(0, |x| x.len());
-    assert!(
-        x.len().is_multiple_of(4) && x.len() <= TILE_ROWS && out.len() >= x.len(),
-        "a tile takes activation rows 4 at a time, at most {TILE_ROWS}"
-    );
-    assert!(
-        w.iter().all(|w| w.len() >= 2 * k) && x.iter().all(|x| x.len() == k),
-        "rows shorter than the product's input"
-    );
-    // SAFETY: `cpu` proves AVX-512 F and BF16; every row holds `k` values.
+    tile_columns(w.map(|w| w.len() / 2), x, out.len(), 4);
+    // SAFETY: `cpu` proves AVX-512 F and BF16; every row holds as many values as `x[0]`.
     unsafe { tile_bf16(w, x, ahead, out) }
 }
 

@@ -246,25 +246,87 @@ pub(crate) fn tile(
     out: &mut [[f32; 4]],
 ) {
     let _ = cpu;
-    tile_columns(w, x, out.len(), 4);
+    tile_columns(w.map(<[f32]>::len), x, out.len(), 4);
     // SAFETY: `cpu` proves AVX-512 F; every row holds as many values as `x[0]`.
-    unsafe { tile_avx512(format, w, x, ahead, out) }
+    unsafe { tile_avx512(Widened(w, format), x, ahead, out) }
+}
+
+/// [`tile`] on four F16 weight rows as stored: each weight vector widened by `vcvtph2ps`
+/// as the tile loads it, so no widened copy of the rows is written and read back. The same
+/// values meet the same multiply-adds, so the same bits.
+pub(crate) fn tile_f16(
+    cpu: Avx512,
+    w: [&[u8]; 4],
+    x: &[&[f32]],
+    ahead: &[u8],
+    out: &mut [[f32; 4]],
+) {
+    let _ = cpu;
+    tile_columns(w.map(|w| w.len() / 2), x, out.len(), 4);
+    // SAFETY: `cpu` proves AVX-512 F; every row holds as many values as `x[0]`.
+    unsafe { tile_avx512(F16Rows(w), x, ahead, out) }
+}
+
+/// Where a tile's four weight rows come from.
+trait TileRows: Copy {
+    /// The format the rows' values were stored in (how the tail is summed).
+    fn format(self) -> FloatFormat;
+    /// Sixteen values of row `r` from value `i`, as f32.
+    ///
+    /// # Safety
+    /// Row `r` must hold sixteen values from `i` on, and the CPU must have AVX-512 F.
+    unsafe fn load(self, r: usize, i: usize) -> __m512;
+    /// Value `i` of row `r`, exactly.
+    fn at(self, r: usize, i: usize) -> f32;
+}
+
+/// Weight rows widened to f32 beforehand, and the format they were stored in.
+#[derive(Clone, Copy)]
+struct Widened<'a>([&'a [f32]; 4], FloatFormat);
+
+/// F16 weight rows as stored.
+#[derive(Clone, Copy)]
+struct F16Rows<'a>([&'a [u8]; 4]);
+
+impl TileRows for Widened<'_> {
+    fn format(self) -> FloatFormat {
+        self.1
+    }
+
+    #[inline(always)]
+    unsafe fn load(self, r: usize, i: usize) -> __m512 {
+        // SAFETY: the caller guarantees sixteen values at `i` and AVX-512 F.
+        unsafe { _mm512_loadu_ps(self.0[r].as_ptr().add(i)) }
+    }
+
+    fn at(self, r: usize, i: usize) -> f32 {
+        self.0[r][i]
+    }
+}
+
+impl TileRows for F16Rows<'_> {
+    fn format(self) -> FloatFormat {
+        FloatFormat::F16
+    }
+
+    #[inline(always)]
+    unsafe fn load(self, r: usize, i: usize) -> __m512 {
+        // SAFETY: the caller guarantees sixteen values at `i` and AVX-512 F.
+        unsafe { _mm512_cvtph_ps(_mm256_loadu_si256(self.0[r].as_ptr().add(2 * i).cast())) }
+    }
+
+    fn at(self, r: usize, i: usize) -> f32 {
+        FloatFormat::F16.at(self.0[r], i)
+    }
 }
 
 /// # Safety
 /// Every row of `w` and `x` must hold `x[0].len()` values; `x` holds a multiple of four
 /// rows, at most [`TILE_ROWS`].
 #[target_feature(enable = "avx512f")]
-unsafe fn tile_avx512(
-    format: FloatFormat,
-    w: [&[f32]; 4],
-    x: &[&[f32]],
-    ahead: &[u8],
-    out: &mut [[f32; 4]],
-) {
+unsafe fn tile_avx512<W: TileRows>(w: W, x: &[&[f32]], ahead: &[u8], out: &mut [[f32; 4]]) {
     let k = x[0].len();
     let whole = k / LANES * LANES;
-    let wp = [w[0].as_ptr(), w[1].as_ptr(), w[2].as_ptr(), w[3].as_ptr()];
     let tiles = x.len() / 4;
     // `part[t][q]`, `[a][r]` of it: quarter `q`'s partial sums of activation row `4t + a` by
     // weight row `r`, carried from one block of columns to the next.
@@ -287,12 +349,7 @@ unsafe fn tile_avx512(
                 while i < to {
                     // SAFETY: `i + 16 <= to <= whole <= k` values of every row.
                     unsafe {
-                        let wv = [
-                            _mm512_loadu_ps(wp[0].add(i)),
-                            _mm512_loadu_ps(wp[1].add(i)),
-                            _mm512_loadu_ps(wp[2].add(i)),
-                            _mm512_loadu_ps(wp[3].add(i)),
-                        ];
+                        let wv = [w.load(0, i), w.load(1, i), w.load(2, i), w.load(3, i)];
                         for a in 0..4 {
                             let xv = _mm512_loadu_ps(xp[a].add(i));
                             for r in 0..4 {
@@ -315,11 +372,8 @@ unsafe fn tile_avx512(
                 [part[0][a][r], part[1][a][r], part[2][a][r], part[3][a][r]]
             }));
             for (r, folded) in folded.into_iter().enumerate() {
-                let tail = w[r][whole..k]
-                    .iter()
-                    .copied()
-                    .zip(xa[whole..].iter().copied());
-                out[4 * t + a][r] = finish(format, folded, tail);
+                let tail = (whole..k).map(|i| (w.at(r, i), xa[i]));
+                out[4 * t + a][r] = finish(w.format(), folded, tail);
             }
         }
     }

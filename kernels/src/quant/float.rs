@@ -700,7 +700,8 @@ impl QuantMatrix {
     /// threads for decode steps and short prefills (each row read once for every
     /// activation row), the activation rows for long prefills. With more than one
     /// activation row, each group of four weight rows is widened to f32 once and reused
-    /// from cache for all of them (or, on the `vdpbf16ps` tier, read as BF16 by all of them).
+    /// from cache for all of them (or read as stored by all of them: BF16 on the
+    /// `vdpbf16ps` tier, F16 on AVX-512, whose tile widens each vector as it loads it).
     pub(super) fn matmul_float(&self, format: FloatFormat, x: &[f32], m: usize) -> Buf {
         let mut kernel = FloatKernel::new(cpu::detect());
         // Several rows are read many times over by the tiles: written (as the format reads

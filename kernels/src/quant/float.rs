@@ -846,19 +846,22 @@ impl QuantMatrix {
             return;
         }
         let quads = range.start + range.len() / 4 * 4;
-        let scratch = aligned(scratch, 4 * k);
-        let mut tiles = [[0f32; 4]; TILE_ROWS];
-        let fours = m / 4 * 4;
         // F16 rows are widened as the tile loads them where it can, with no copy.
         let stored = format == FloatFormat::F16 && kernel.has_tile_f16();
+        let widens = pairs.is_none() && !stored;
+        let scratch = aligned(scratch, if widens { 4 * k } else { 0 });
+        let mut tiles = [[0f32; 4]; TILE_ROWS];
+        let fours = m / 4 * 4;
         for r in (range.start..quads).step_by(4) {
             let raw: [&[u8]; 4] = std::array::from_fn(|j| self.weight_row(r + j));
-            if pairs.is_none() && !stored {
+            if widens {
                 for (j, w) in scratch.chunks_exact_mut(k).enumerate() {
                     kernel.widen(format, raw[j], w);
                 }
             }
-            let w: [&[f32]; 4] = std::array::from_fn(|j| &scratch[j * k..(j + 1) * k]);
+            // The widened rows (empty where the tile reads them as stored).
+            let w: [&[f32]; 4] =
+                std::array::from_fn(|j| scratch.get(j * k..(j + 1) * k).unwrap_or_default());
             // The next group's rows, fetched a share per tile while these compute (the
             // hardware prefetcher alone leaves the widening waiting on memory).
             let next = self.rows_bytes(r + 4, (r + 8).min(quads));

@@ -423,8 +423,11 @@ impl QuantMatrix {
                     .unwrap_or(Batched::Block(BlockFormat::Q8_0));
                 // One activation row against Q4_0 or Q4_1 runs on the tiles below, four
                 // weight rows at a time: one row's dot product waits on a multiply-add per
-                // 18- or 20-byte block, slower than memory (see `prefetch_rows`).
-                let four_bit = matches!(f, Batched::Block(BlockFormat::Q4_0 | BlockFormat::Q4_1));
+                // 18- or 20-byte block, slower than memory (see `prefetch_rows`). Measured on
+                // the x86 tiers only; arm64, whose speed nothing here measures, keeps one row
+                // at a time.
+                let four_bit = cfg!(target_arch = "x86_64")
+                    && matches!(f, Batched::Block(BlockFormat::Q4_0 | BlockFormat::Q4_1));
                 if m == 1 && !four_bit {
                     // One weight row after the next: one stream (see `prefetch_rows`).
                     let quantize = |r: &[f32]| quantize_row(r, f.mins());

@@ -195,6 +195,28 @@ impl PairTiles {
     }
 }
 
+/// The tiles that read F16 weight rows as stored ([`FloatKernel::f16_tiles`]), widening each
+/// weight vector as they load it.
+#[derive(Debug, Clone, Copy)]
+pub(crate) enum F16Tiles {
+    /// AVX-512 F (`vcvtph2ps` on each load).
+    #[cfg(target_arch = "x86_64")]
+    Avx512(cpu::Avx512),
+}
+
+impl F16Tiles {
+    /// Four F16 weight rows as stored against activation rows `x` (a multiple of four, at
+    /// most [`TILE_ROWS`]): `out[a][r]`, each [`FloatKernel::tile`]'s result on the rows
+    /// widened. `ahead`'s cache lines are fetched while it computes.
+    pub(crate) fn tile(self, w: [&[u8]; 4], x: &[&[f32]], ahead: &[u8], out: &mut [[f32; 4]]) {
+        let _ = (w, x, ahead, &out);
+        match self {
+            #[cfg(target_arch = "x86_64")]
+            F16Tiles::Avx512(cpu) => super::avx512::float::tile_f16(cpu, w, x, ahead, out),
+        }
+    }
+}
+
 /// The value of BF16 bits, exactly.
 #[inline(always)]
 pub(crate) fn bf16_to_f32(bits: u16) -> f32 {
@@ -517,6 +539,23 @@ impl FloatKernel {
         }
     }
 
+    /// The tiles that read F16 weight rows as stored, if this kernel has them for `format`
+    /// (F16 on AVX-512): [`FloatKernel::tile`]'s results with no widened copy of the rows.
+    pub(crate) fn f16_tiles(self, format: FloatFormat) -> Option<F16Tiles> {
+        match self {
+            #[cfg(target_arch = "x86_64")]
+            FloatKernel::Avx512(cpu) if format == FloatFormat::F16 => Some(F16Tiles::Avx512(cpu)),
+            #[cfg(target_arch = "x86_64")]
+            FloatKernel::Avx512Bf16(cpu) if format == FloatFormat::F16 => {
+                Some(F16Tiles::Avx512(cpu.avx512()))
+            }
+            _ => {
+                let _ = format;
+                None
+            }
+        }
+    }
+
     /// Weight row `w` (in `format`) against activation row `x` (as
     /// [`FloatFormat::activations`] gives it, or those values in the 16 bits F16 and BF16
     /// weights' activations are rounded to).
@@ -568,37 +607,6 @@ impl FloatKernel {
                     *o = self.quad(format, w, x);
                 }
             }
-        }
-    }
-
-    /// Four F16 weight rows as stored against activation rows `x` (a multiple of four, at
-    /// most [`TILE_ROWS`]): [`FloatKernel::tile`]'s results without a widened copy of the
-    /// rows. The AVX-512 tile widens each weight vector as it loads it
-    /// ([`FloatKernel::has_tile_f16`]); other kernels take one dot product per output.
-    pub(crate) fn tile_f16(self, w: [&[u8]; 4], x: &[&[f32]], ahead: &[u8], out: &mut [[f32; 4]]) {
-        match self {
-            #[cfg(target_arch = "x86_64")]
-            FloatKernel::Avx512(cpu) => super::avx512::float::tile_f16(cpu, w, x, ahead, out),
-            #[cfg(target_arch = "x86_64")]
-            FloatKernel::Avx512Bf16(cpu) => {
-                super::avx512::float::tile_f16(cpu.avx512(), w, x, ahead, out)
-            }
-            _ => {
-                super::prefetch(ahead);
-                for (o, x) in out.iter_mut().zip(x) {
-                    *o = w.map(|w| self.dot(FloatFormat::F16, w, x));
-                }
-            }
-        }
-    }
-
-    /// Whether [`FloatKernel::tile_f16`] is this kernel's fastest way through F16 weights
-    /// (it widens as it loads, where [`FloatKernel::tile`] needs rows widened beforehand).
-    pub(crate) fn has_tile_f16(self) -> bool {
-        match self {
-            #[cfg(target_arch = "x86_64")]
-            FloatKernel::Avx512(_) | FloatKernel::Avx512Bf16(_) => true,
-            _ => false,
         }
     }
 
@@ -847,8 +855,8 @@ impl QuantMatrix {
         }
         let quads = range.start + range.len() / 4 * 4;
         // F16 rows are widened as the tile loads them where it can, with no copy.
-        let stored = format == FloatFormat::F16 && kernel.has_tile_f16();
-        let widens = pairs.is_none() && !stored;
+        let stored = kernel.f16_tiles(format);
+        let widens = pairs.is_none() && stored.is_none();
         let scratch = aligned(scratch, if widens { 4 * k } else { 0 });
         let mut tiles = [[0f32; 4]; TILE_ROWS];
         let fours = m / 4 * 4;
@@ -884,10 +892,9 @@ impl QuantMatrix {
                     for (x, row) in x.iter_mut().zip(acts.x[i * k..(i + n) * k].chunks_exact(k)) {
                         *x = row;
                     }
-                    if stored {
-                        kernel.tile_f16(raw, &x[..n], ahead, &mut tiles[..n]);
-                    } else {
-                        kernel.tile(format, w, &x[..n], ahead, &mut tiles[..n]);
+                    match stored {
+                        Some(stored) => stored.tile(raw, &x[..n], ahead, &mut tiles[..n]),
+                        None => kernel.tile(format, w, &x[..n], ahead, &mut tiles[..n]),
                     }
                 }
                 for (a, v) in tiles[..n].iter().enumerate() {
@@ -897,7 +904,7 @@ impl QuantMatrix {
                 }
             }
             for i in fours..m {
-                let v = if pairs.is_some() || stored {
+                let v = if !widens {
                     raw.map(|w| dot(w, i))
                 } else {
                     kernel.quad(format, w, &acts.x[i * k..(i + 1) * k])

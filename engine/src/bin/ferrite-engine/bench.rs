@@ -41,19 +41,17 @@ pub struct Bandwidth {
     pub copy: f64,
 }
 
-/// Measures [`Bandwidth`] on as many threads as the machine runs at once. The buffer read
-/// lies in huge pages, as the model's weights do ([`HugePages`]), so the figure is what the
-/// weights' own reads could reach.
+/// Measures [`Bandwidth`] on as many threads as the machine runs at once. The buffer both
+/// measurements read lies in huge pages, as the model's weights do ([`HugePages`]), so the
+/// read figure is what the weights' own reads could reach.
 pub fn memory_bandwidth() -> Bandwidth {
     let threads = std::thread::available_parallelism()
         .map(|n| n.get())
         .unwrap_or(1);
     let chunk = BANDWIDTH_BYTES.div_ceil(threads);
-    let (weights, _) = HugePages::pack(vec![vec![1u8; BANDWIDTH_BYTES]]);
-    let src = vec![1u8; BANDWIDTH_BYTES];
-    // Written before the runs, so no run pays for the pages' first touch.
-    let mut dst = vec![0u8; BANDWIDTH_BYTES];
-    dst.fill(2);
+    let (src, _) = HugePages::pack(vec![vec![1u8; BANDWIDTH_BYTES]]);
+    // Not zero, so every page is written before the runs and no run pays for its first touch.
+    let mut dst = vec![2u8; BANDWIDTH_BYTES];
     let best = |run: &mut dyn FnMut()| {
         (0..5)
             .map(|_| {
@@ -65,7 +63,7 @@ pub fn memory_bandwidth() -> Bandwidth {
     };
     let read = best(&mut || {
         std::thread::scope(|s| {
-            for part in weights.chunks(chunk) {
+            for part in src.chunks(chunk) {
                 s.spawn(move || std::hint::black_box(sum_words(part)));
             }
         })

@@ -1205,10 +1205,21 @@ fn dot_products_never_allocate() {
 /// `rows` weight rows of `cols` values in `format`: bytes from a fixed sequence, the f16
 /// scales written as finite values.
 fn kquant_rows(format: KFormat, rows: usize, cols: usize, salt: usize) -> Vec<u8> {
+    kquant_rows_of(format, rows, cols, |i| {
+        ((i * 131 + salt * 71) % 251) as u8 ^ (i >> 7) as u8
+    })
+}
+
+/// `rows` weight rows of `cols` values in `format`: byte `i` is `byte(i)`, but for the f16
+/// scales, written as finite values.
+fn kquant_rows_of(
+    format: KFormat,
+    rows: usize,
+    cols: usize,
+    byte: impl Fn(usize) -> u8,
+) -> Vec<u8> {
     let n = rows * cols / kquant::QK_K * format.block_bytes();
-    let mut bytes: Vec<u8> = (0..n)
-        .map(|i| ((i * 131 + salt * 71) % 251) as u8 ^ (i >> 7) as u8)
-        .collect();
+    let mut bytes: Vec<u8> = (0..n).map(byte).collect();
     let scales: &[usize] = match format {
         KFormat::Q2K => &[80, 82],
         KFormat::Q3K => &[108],
@@ -1261,18 +1272,38 @@ fn k_quant_tiles_give_every_pair_its_dot_product_bit_for_bit() {
         );
     }
     let cols = 3 * kquant::QK_K;
-    for (format, name) in ggml::K_FORMATS {
-        let rows: Vec<Vec<u8>> = (0..4).map(|r| kquant_rows(format, 1, cols, r)).collect();
+    for ((format, name), extreme) in ggml::K_FORMATS
+        .into_iter()
+        .flat_map(|f| [(f, false), (f, true)])
+    {
+        // Extreme: every value byte 0xFF (each format's largest values and scales) against
+        // activations of -127 and 127 (Q8_K's range), the largest integer sums a lane holds.
+        let rows: Vec<Vec<u8>> = (0..4)
+            .map(|r| match extreme {
+                false => kquant_rows(format, 1, cols, r),
+                true => kquant_rows_of(format, 1, cols, |_| 0xFF),
+            })
+            .collect();
         let quad = [&rows[0][..], &rows[1], &rows[2], &rows[3]];
         // 37 activation rows: more than one group of the tile's accumulators.
         let acts: Vec<kquant::Q8KRow> = (0..37)
             .map(|a| {
                 let x: Vec<f32> = (0..cols)
-                    .map(|i| (((i * 37 + a * 11) % 101) as f32 - 50.0) * 0.013 * (1 + a % 3) as f32)
+                    .map(|i| match extreme {
+                        false => {
+                            (((i * 37 + a * 11) % 101) as f32 - 50.0) * 0.013 * (1 + a % 3) as f32
+                        }
+                        // Q8_K maps each super-block's first largest value to -127.
+                        true if a % 2 == 0 || i % kquant::QK_K == 0 => -1.0,
+                        true => 1.0,
+                    })
                     .collect();
                 kquant::quantize_row_q8k(&x)
             })
             .collect();
+        if extreme {
+            assert_eq!((acts[0].qs[1], acts[1].qs[1]), (-127, 127));
+        }
         let want: Vec<[u32; 4]> = acts
             .iter()
             .map(|a| quad.map(|w| kquant::dot(format)(w, a).to_bits()))
@@ -1286,7 +1317,11 @@ fn k_quant_tiles_give_every_pair_its_dot_product_bit_for_bit() {
                 let mut out = vec![[0f32; 4]; n];
                 tile(quad, &acts[..n], &mut out);
                 let got: Vec<[u32; 4]> = out.iter().map(|o| o.map(f32::to_bits)).collect();
-                assert_eq!(got, want[..n], "{name} {tier} tile of {n}");
+                assert_eq!(
+                    got,
+                    want[..n],
+                    "{name} {tier} tile of {n} (extreme values: {extreme})"
+                );
             }
         }
     }

@@ -44,17 +44,30 @@ for f in $FORMATS; do
   runs --url "$URL" --label ferrite
   stop_server
   # llama-server 0.3.36 crashes (SIGSEGV) loading these models with its CPU repacking on a CPU
-  # with AMX (this Xeon); --no-repack runs its vec_dot kernels instead. Set REPACK=1 to try.
-  PORT=$(free_port); URL="http://127.0.0.1:$PORT"
+  # with AMX (a Xeon) and is slower with it on a Zen 5; --no-repack keeps the weights as
+  # stored. Set REPACK=1 to try.
   NOREPACK=(--no-repack); [ "${REPACK:-0}" = 1 ] && NOREPACK=()
-  start_server "$LOGS/llama-server-random-1b-$f.log" "$LLAMA_BIN/llama-server" -m "$FILE" --host 127.0.0.1 \
-    --port "$PORT" -t "$THREADS" -tb "$THREADS" -np 16 --cont-batching -c $((16 * 2048)) --no-warmup "${NOREPACK[@]}"
-  runs --url "$URL" --label llama.cpp --extra-body '{"cache_prompt": false}'
-  stop_server
+  llama() {
+    PORT=$(free_port); URL="http://127.0.0.1:$PORT"
+    start_server "$LOGS/llama-server-random-1b-$f-$1.log" "$LLAMA_BIN/llama-server" -m "$FILE" --host 127.0.0.1 \
+      --port "$PORT" -t "$THREADS" -tb "$THREADS" -np 16 --cont-batching -c $((16 * 2048)) --no-warmup "${NOREPACK[@]}"
+    runs --url "$URL" --label "$1" --extra-body '{"cache_prompt": false}'
+    stop_server
+  }
+  llama llama.cpp
+  # From 8 rows up, llama.cpp 0.3.36 multiplies K-quant weights in its tiled kernel, whose
+  # arithmetic (one exact integer sum per super-block) differs from the vec_dot arithmetic it
+  # uses below 8 rows and that Ferrite reproduces bit for bit at every batch size. This run
+  # turns the tiled kernel off: llama.cpp computing what Ferrite computes.
+  case "$f" in *_K*) GGML_CPU_TILED_MM=0 llama llama.cpp-vec_dot ;; esac
   {
     echo "# random 1.1B Llama-shaped model, $f"
     echo
     echo "CPU: $CPU; Ferrite's ${TIERS:-kernel tiers: not logged}; $THREADS threads each; llama-server ${NOREPACK[*]:-with repacking}."
+    case "$f" in *_K*)
+      echo
+      echo "llama.cpp-vec_dot: the same llama-server with GGML_CPU_TILED_MM=0, its vec_dot arithmetic (the one Ferrite reproduces bit for bit) at every batch size instead of its tiled K-quant kernel from 8 rows up." ;;
+    esac
     echo
     "$BENCH" report --results "$OUT"
   } > "$ROOT/bench/results/formats-$f.md"

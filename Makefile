@@ -101,7 +101,8 @@ bench-peer: model
 	scripts/bench-formats.sh
 
 ## bench-formats: Ferrite beside llama-server on a random ~1B model in Q4_K_M, Q8_0, F16 and BF16
-## (short prompts at 1 and 16, ~1000-token prompts at 1); also run by bench-peer
+## (short prompts at 1 and 16, ~1000-token prompts at 1), and beside a second llama-server held to
+## its one-row (vec_dot) arithmetic at every batch size (VEC_DOT=0 skips it); also run by bench-peer
 bench-formats: model
 	$(CARGO) build --release -p ferrite-engine -p ferrite-bench
 	scripts/bench-formats.sh

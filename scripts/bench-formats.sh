@@ -12,6 +12,8 @@ set -euo pipefail
 source "$(dirname "$0")/bench-lib.sh"
 source "$(dirname "$0")/llamacpp-lib.sh"
 need_llamacpp llama-server llama-quantize
+# VEC_DOT=0 skips the third server (llama.cpp on its vec_dot arithmetic) and its build.
+if [ "${VEC_DOT:-1}" = 1 ]; then need_llamacpp_vec_dot llama-server; fi
 FORMATS="${FORMATS:-Q4_K_M Q8_0 F16 BF16}"
 MODELS="${XDG_CACHE_HOME:-$HOME/.cache}/ferrite/models"; mkdir -p "$MODELS"
 LOGS="$ROOT/target/bench"; mkdir -p "$LOGS"
@@ -49,25 +51,26 @@ for f in $FORMATS; do
   NOREPACK=(--no-repack); [ "${REPACK:-0}" = 1 ] && NOREPACK=()
   llama() {
     PORT=$(free_port); URL="http://127.0.0.1:$PORT"
-    start_server "$LOGS/llama-server-random-1b-$f-$1.log" "$LLAMA_BIN/llama-server" -m "$FILE" --host 127.0.0.1 \
+    start_server "$LOGS/llama-server-random-1b-$f-$1.log" "$2/llama-server" -m "$FILE" --host 127.0.0.1 \
       --port "$PORT" -t "$THREADS" -tb "$THREADS" -np 16 --cont-batching -c $((16 * 2048)) --no-warmup "${NOREPACK[@]}"
     runs --url "$URL" --label "$1" --extra-body '{"cache_prompt": false}'
     stop_server
   }
-  llama llama.cpp
-  # From 8 rows up, llama.cpp 0.3.36 multiplies K-quant weights in its tiled kernel, whose
-  # arithmetic (one exact integer sum per super-block) differs from the vec_dot arithmetic it
-  # uses below 8 rows and that Ferrite reproduces bit for bit at every batch size. This run
-  # turns the tiled kernel off: llama.cpp computing what Ferrite computes.
-  case "$f" in *_K*) GGML_CPU_TILED_MM=0 llama llama.cpp-vec_dot ;; esac
+  llama llama.cpp "$LLAMA_BIN"
+  # From 2 rows up llama.cpp 0.3.36 multiplies F16, BF16, Q8_0 and Q4_0 weights with
+  # llamafile's sgemm, and from 8 rows up K-quant weights with its tiled kernel; both give
+  # other bits than the one-row vec_dot arithmetic it uses otherwise, which Ferrite
+  # reproduces at every batch size. This run is llama.cpp computing what Ferrite computes:
+  # built without llamafile, the tiled kernel turned off.
+  if [ "${VEC_DOT:-1}" = 1 ]; then GGML_CPU_TILED_MM=0 llama llama.cpp-vec_dot "$LLAMA_VEC_DOT_BIN"; fi
   {
     echo "# random 1.1B Llama-shaped model, $f"
     echo
     echo "CPU: $CPU; Ferrite's ${TIERS:-kernel tiers: not logged}; $THREADS threads each; llama-server ${NOREPACK[*]:-with repacking}."
-    case "$f" in *_K*)
+    if [ "${VEC_DOT:-1}" = 1 ]; then
       echo
-      echo "llama.cpp-vec_dot: the same llama-server with GGML_CPU_TILED_MM=0, its vec_dot arithmetic (the one Ferrite reproduces bit for bit) at every batch size instead of its tiled K-quant kernel from 8 rows up." ;;
-    esac
+      echo "llama.cpp-vec_dot: llama-server built with GGML_LLAMAFILE=OFF and run with GGML_CPU_TILED_MM=0, so it multiplies batches with its one-row vec_dot arithmetic (the one Ferrite reproduces bit for bit) instead of llamafile's sgemm (F16, BF16, Q8_0, Q4_0; 2 rows up) or its tiled K-quant kernel (8 rows up)."
+    fi
     echo
     "$BENCH" report --results "$OUT"
   } > "$ROOT/bench/results/formats-$f.md"

@@ -421,13 +421,16 @@ impl QuantMatrix {
                     .format
                     .batched()
                     .unwrap_or(Batched::Block(BlockFormat::Q8_0));
-                // One activation row against Q4_0 or Q4_1 runs on the tiles below, four
-                // weight rows at a time: one row's dot product waits on a multiply-add per
-                // 18- or 20-byte block, slower than memory (see `prefetch_rows`). Measured on
-                // the x86 tiers only; arm64, whose speed nothing here measures, keeps one row
-                // at a time.
-                let four_bit = cfg!(target_arch = "x86_64")
+                // One activation row against Q4_0 or Q4_1 runs on the AVX-512 VNNI tiles
+                // below, four weight rows at a time: faster than one row after the next on
+                // the default model, even at 1B (see `prefetch_rows`). On the AVX2 tiers one
+                // row at a time is the faster; arm64, whose speed nothing here measures,
+                // keeps one row at a time too.
+                #[cfg(target_arch = "x86_64")]
+                let four_bit = features.avx512_vnni().is_some()
                     && matches!(f, Batched::Block(BlockFormat::Q4_0 | BlockFormat::Q4_1));
+                #[cfg(not(target_arch = "x86_64"))]
+                let four_bit = false;
                 if m == 1 && !four_bit {
                     // One weight row after the next: one stream (see `prefetch_rows`).
                     let quantize = |r: &[f32]| quantize_row(r, f.mins());
@@ -555,12 +558,15 @@ impl QuantMatrix {
     /// prefetched or not, on the AVX-512 VNNI and the AVX2 tier alike: Q8_0 11.5 -> 18 GB/s
     /// (AVX2 13.2 -> 16.9), Q4_1 8.3 -> 11.8 GB/s; Q4_0, bound by its arithmetic there,
     /// about even (~9.5). Q4_0 and Q4_1 against one row have since moved to the packed
-    /// tiles, four rows side by side with these prefetches: one 4-bit row's dot product
-    /// waits on a multiply-add per block, and on a Zen 5 (2 threads, random 1.1B Q4_1
-    /// single-stream decode, `ferrite-engine bench`) it ran at 25–28 tok/s against the
-    /// tiles' 50–61, on the AVX2 tier 25 against 31; the default model (SmolLM2-135M Q4_1)
-    /// 216–237 against 361. Q8_0 and Q5_0 stay one row at a time (Q5_0 there 17–19 against
-    /// 10 tok/s).
+    /// tiles, four rows side by side with these prefetches, on the AVX-512 VNNI tier. Those
+    /// one-row figures were taken while a scalar f16 conversion chained every block of the
+    /// one-row dot products to the block before ([`avx2::f16_splat`]). Without that chain, on
+    /// a Zen 5 (2 threads, single-stream decode, `ferrite-engine bench`), one row against the
+    /// tiles: random 1.1B Q4_0 52.6–53.3 against 52.2–52.5 tok/s, Q4_1 46.2–47.5 against
+    /// 45.7–46.6, the default model (SmolLM2-135M Q4_1) 289–292 against 351–356; capped to
+    /// AVX2, Q4_0 53–55 against 38–39, Q4_1 52–53 against 32–35, the default model 262–266
+    /// against 200–205. So the AVX-512 VNNI tier keeps the tiles and the AVX2 tiers, like
+    /// Q8_0 and Q5_0 on every tier, read one row after the next.
     fn prefetch_rows(&self, from: usize, to: usize, end: usize) {
         let to = to.min(end);
         if from >= to {

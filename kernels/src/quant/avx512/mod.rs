@@ -9,9 +9,9 @@ pub(super) mod wide;
 
 use std::arch::x86_64::*;
 
-use super::avx2::lanes;
+use super::avx2::{self, lanes};
 use super::portable::hsum8;
-use super::{f16_at, BlockFormat, Dot, PackedTile, QuantizedRow, BLOCK};
+use super::{BlockFormat, Dot, PackedTile, QuantizedRow, BLOCK};
 use crate::cpu::Avx512Vnni;
 
 /// The four outputs of two paired accumulators (rows 0-1, 2-3): each half reduced as
@@ -207,7 +207,7 @@ fn row_avx512<const F: u8>(w: &[u8], a: &QuantizedRow) -> f32 {
     assert!(w.len() == nb * stride && a.q.len() == nb * BLOCK);
     assert!(F != FMT_Q4_1 || a.s.len() == nb);
     let mut acc = _mm256_setzero_ps();
-    let mut summs = 0f32;
+    let mut summs = _mm256_setzero_ps();
     for i in (0..nb).step_by(2) {
         let pair = i + 1 < nb;
         let x = &w[i * stride..];
@@ -230,7 +230,7 @@ fn row_avx512<const F: u8>(w: &[u8], a: &QuantizedRow) -> f32 {
             (acc, summs) = add_block::<F>(y, a, i + 1, high, acc, summs);
         }
     }
-    hsum8(lanes(acc)) + summs
+    hsum8(lanes(acc)) + _mm256_cvtss_f32(summs)
 }
 
 /// The eight integer lanes of weight block `x` (low half) and of weight block `y` (high
@@ -275,14 +275,14 @@ fn add_block<const F: u8>(
     i: usize,
     lanes: __m256,
     acc: __m256,
-    summs: f32,
-) -> (__m256, f32) {
+    summs: __m256,
+) -> (__m256, __m256) {
     let summs = if F == FMT_Q4_1 {
-        f16_at(b, 2).mul_add(a.s[i], summs)
+        avx2::add_min(b, 2, a.s[i], summs)
     } else {
         summs
     };
-    let scale = _mm256_set1_ps(f16_at(b, 0) * a.d[i]);
+    let scale = avx2::scale_splat(b, 0, a.d[i]);
     (_mm256_fmadd_ps(scale, lanes, acc), summs)
 }
 

@@ -226,15 +226,12 @@ fn attention_with<T: KvElement>(
     let rows = (positions.len() * heads).max(1);
     let rows_per_task = ((1usize << 15) * rows).div_ceil(work.max(1)).clamp(1, rows);
     // The unit of work: `chunk` query heads of one token sharing a KV head, so each key and
-    // value row is converted once for all of them and their chains interleave.
-    let chunk = if kernel.is_some() {
-        (1..=MAX_GROUP.min(group))
-            .rev()
-            .find(|c| group.is_multiple_of(*c))
-            .unwrap_or(1)
-    } else {
-        1
-    };
+    // value row is converted once for all of them (and, in a head kernel, their chains
+    // interleave).
+    let chunk = (1..=MAX_GROUP.min(group))
+        .rev()
+        .find(|c| group.is_multiple_of(*c))
+        .unwrap_or(1);
     let one = |scratch: &mut Scratch<T>, unit: usize, o: &mut [f32]| {
         let row = unit * chunk;
         let (i, h) = (row / heads, row % heads);
@@ -252,7 +249,7 @@ fn attention_with<T: KvElement>(
         };
         match kernel {
             Some(kernel) => kernel(&scratch.q, job, o),
-            None => portable_head(job, o, scratch),
+            None => portable_heads(job, o, scratch),
         }
     };
     let units_per_task = rows_per_task.div_ceil(chunk);
@@ -271,35 +268,55 @@ fn attention_with<T: KvElement>(
         });
 }
 
-/// One query head (`scratch.q`) over its KV head, one position at a time: the portable loop
-/// that every vector kernel must equal bit for bit. Writes the head's output to `acc`.
-fn portable_head<T: KvElement>(job: HeadJob<'_, T>, acc: &mut [f32], scratch: &mut Scratch<T>) {
-    let (d, n) = (acc.len(), job.last + 1);
+/// The query heads of `scratch.q` (1 to [`MAX_GROUP`], `head_dim` values each, side by side)
+/// over the KV head they share, one position at a time: the portable loop that every vector
+/// kernel must equal bit for bit. Each key and value row is widened once for all the heads;
+/// each head's operations are those of a loop over it alone, in the same order, so a head's
+/// result does not depend on the group it shares. Writes the heads' outputs side by side.
+fn portable_heads<T: KvElement>(job: HeadJob<'_, T>, out: &mut [f32], scratch: &mut Scratch<T>) {
     let Scratch { q, k, v, round } = scratch;
-    acc.iter_mut().for_each(|a| *a = 0.0);
-    let (mut max, mut sum) = (f32::NEG_INFINITY, 0f32);
+    let d = k.len();
+    let (heads, n) = (out.len() / d, job.last + 1);
+    assert!(
+        (1..=MAX_GROUP).contains(&heads) && out.len() == heads * d && q.len() == out.len(),
+        "a group of 1 to {MAX_GROUP} query heads of {d} values"
+    );
+    let round = &mut round[..d];
+    out.iter_mut().for_each(|a| *a = 0.0);
+    let mut max = [f32::NEG_INFINITY; MAX_GROUP];
+    let mut sum = [0f32; MAX_GROUP];
+    // Per head: the factor its accumulator was rescaled by, and its value row's weight.
+    let mut weights = [(1f32, 1f32); MAX_GROUP];
     let rows = job.keys.rows(job.head, d, 0, n);
     for (key, value) in rows.zip(job.values.rows(job.head, d, 0, n)) {
         T::widen(key, k);
-        let s = dot(q, k) * job.scale;
-        let (mut ms, mut vs) = (1f32, 1f32);
-        if s > max {
-            ms = (max - s).exp();
-            max = s;
-            acc.iter_mut().for_each(|a| *a *= ms);
-            T::round_slice(acc, round);
-        } else {
-            vs = (s - max).exp();
+        for (h, (acc, q)) in out.chunks_exact_mut(d).zip(q.chunks_exact(d)).enumerate() {
+            let s = dot(q, k) * job.scale;
+            let (mut ms, mut vs) = (1f32, 1f32);
+            if s > max[h] {
+                ms = (max[h] - s).exp();
+                max[h] = s;
+                acc.iter_mut().for_each(|a| *a *= ms);
+                T::round_slice(acc, round);
+            } else {
+                vs = (s - max[h]).exp();
+            }
+            weights[h] = (ms, vs);
         }
         T::widen(value, v);
-        for (a, &x) in acc.iter_mut().zip(v.iter()) {
-            *a = x.mul_add(vs, *a);
+        for (h, acc) in out.chunks_exact_mut(d).enumerate() {
+            let (ms, vs) = weights[h];
+            for (a, &x) in acc.iter_mut().zip(v.iter()) {
+                *a = x.mul_add(vs, *a);
+            }
+            T::round_slice(acc, round);
+            sum[h] = sum[h].mul_add(ms, vs);
         }
-        T::round_slice(acc, round);
-        sum = sum.mul_add(ms, vs);
     }
-    let inv = if sum == 0.0 { 0.0 } else { 1.0 / sum };
-    acc.iter_mut().for_each(|a| *a *= inv);
+    for (acc, &sum) in out.chunks_exact_mut(d).zip(&sum) {
+        let inv = if sum == 0.0 { 0.0 } else { 1.0 / sum };
+        acc.iter_mut().for_each(|a| *a *= inv);
+    }
 }
 
 /// q · k as ggml's AVX-512 `ggml_vec_dot_f16` sums it: 64 values at a time in four
@@ -601,6 +618,78 @@ mod tests {
                 run(None),
                 "head_dim {d}, {heads}/{kv_heads} heads"
             );
+        }
+    }
+
+    #[test]
+    fn the_portable_loop_gives_each_head_of_a_group_what_it_gives_it_alone() {
+        // 8 query heads on 2 KV heads (groups of 4) and 9 on 3 (groups of 3), over 40
+        // positions in blocks of 16, with an f16 cache: the grouped loop against the loop
+        // over each head by itself.
+        for (heads, kv_heads) in [(8, 2), (9, 3)] {
+            let (d, n, block) = (64, 40usize, 16);
+            let width = kv_heads * d;
+            let val =
+                |i: usize, salt: usize| (((i * 7919 + salt) % 211) as f32 / 211.0 - 0.5) * 3.0;
+            let cache = |salt: usize| -> Vec<f16> {
+                let mut out = vec![f16::ZERO; n.next_multiple_of(block) * width];
+                for pos in 0..n {
+                    for h in 0..kv_heads {
+                        let at = pos / block * block * width + head_row(block, d, h, pos % block);
+                        for (j, o) in out[at..at + d].iter_mut().enumerate() {
+                            *o = f16::from_f32(val(pos * width + h * d + j, salt));
+                        }
+                    }
+                }
+                out
+            };
+            let (k, v) = (cache(1), cache(2));
+            let (kb, vb): (Vec<&[f16]>, Vec<&[f16]>) = (
+                k.chunks(block * width).collect(),
+                v.chunks(block * width).collect(),
+            );
+            let kv = |b| KvBlocks {
+                blocks: b,
+                block_size: block,
+            };
+            let q: Vec<f32> = (0..heads * d).map(|i| val(i, 3)).collect();
+            let shape = HeadShape {
+                heads,
+                kv_heads,
+                head_dim: d,
+            };
+            let seqs = [SeqKv {
+                keys: kv(&kb),
+                values: kv(&vb),
+                tokens: 1,
+            }];
+            let mut grouped = vec![0f32; q.len()];
+            attention_with(&q, &[n - 1], &seqs, shape, &mut grouped, None);
+            let mut scratch = Scratch {
+                q: Vec::new(),
+                k: vec![0f32; d],
+                v: vec![0f32; d],
+                round: vec![f16::ZERO; d],
+            };
+            for h in 0..heads {
+                scratch.q = q[h * d..(h + 1) * d].to_vec();
+                f16::round_slice(&mut scratch.q, &mut scratch.round);
+                let job = HeadJob {
+                    keys: kv(&kb),
+                    values: kv(&vb),
+                    head: h / (heads / kv_heads),
+                    last: n - 1,
+                    scale: 1.0 / (d as f32).sqrt(),
+                };
+                let mut alone = vec![0f32; d];
+                portable_heads(job, &mut alone, &mut scratch);
+                let bits = |x: &[f32]| x.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+                assert_eq!(
+                    bits(&grouped[h * d..(h + 1) * d]),
+                    bits(&alone),
+                    "head {h} of {heads} on {kv_heads}"
+                );
+            }
         }
     }
 

@@ -72,10 +72,21 @@ fn group(
             }));
         }
     }
-    let (engine, _) = spec
-        .start_leader(&listener, peers[0].as_ref())
-        .expect("the group forms");
-    (engine, ranks)
+    match spec.start_leader(&listener, peers[0].as_ref()) {
+        Ok((engine, _)) => (engine, ranks),
+        // The other ranks have ended by now (refused, or failed on their own): say how, so
+        // a group that did not form names the rank's own error, not only that it is missing.
+        Err(e) => {
+            let ranks: Vec<String> = ranks
+                .into_iter()
+                .map(|r| match r.join() {
+                    Ok(r) => format!("{r:?}"),
+                    Err(_) => "panicked".to_string(),
+                })
+                .collect();
+            panic!("the group did not form: {e}; the other ranks ended with {ranks:?}")
+        }
+    }
 }
 
 /// Prompts of 3 to 40 tokens, some sharing a prefix, two identical.

@@ -536,6 +536,28 @@ mod tests {
         check::<f16>(5e-3);
     }
 
+    /// Value `i` of a fixed pattern in `-1.5..1.5`, varied by `salt`.
+    fn val(i: usize, salt: usize) -> f32 {
+        (((i * 7919 + salt) % 211) as f32 / 211.0 - 0.5) * 3.0
+    }
+
+    /// Position-major rows of `kv_heads * d` values laid out as the cache holds them:
+    /// blocks of 16 positions, head by head, the last block padded.
+    fn f16_cache(rows: &[f32], kv_heads: usize, d: usize) -> Vec<f16> {
+        let width = kv_heads * d;
+        let n = rows.len() / width;
+        let mut out = vec![f16::ZERO; n.next_multiple_of(16) * width];
+        for (pos, row) in rows.chunks(width).enumerate() {
+            for (h, part) in row.chunks(d).enumerate() {
+                let at = pos / 16 * 16 * width + head_row(16, d, h, pos % 16);
+                for (o, &x) in out[at..at + d].iter_mut().zip(part) {
+                    *o = f16::from_f32(x);
+                }
+            }
+        }
+        out
+    }
+
     #[test]
     fn the_vector_head_kernels_equal_the_portable_loop_bit_for_bit() {
         // Widths with a kernel, grouped-query layouts (3 and 8 query heads per KV head) and
@@ -545,23 +567,7 @@ mod tests {
                 return;
             };
             let width = kv_heads * d;
-            let val =
-                |i: usize, salt: usize| (((i * 7919 + salt) % 211) as f32 / 211.0 - 0.5) * 3.0;
-            // Position-major rows of `width` values laid out as the cache holds them: blocks
-            // of 16 positions, head by head, the last block padded.
-            let cache_of = |rows: Vec<f32>| -> Vec<f16> {
-                let n = rows.len() / width;
-                let mut out = vec![f16::ZERO; n.next_multiple_of(16) * width];
-                for (pos, row) in rows.chunks(width).enumerate() {
-                    for (h, part) in row.chunks(d).enumerate() {
-                        let at = pos / 16 * 16 * width + head_row(16, d, h, pos % 16);
-                        for (o, &x) in out[at..at + d].iter_mut().zip(part) {
-                            *o = f16::from_f32(x);
-                        }
-                    }
-                }
-                out
-            };
+            let cache_of = |rows: Vec<f32>| f16_cache(&rows, kv_heads, d);
             let cache = |salt: usize, rows: usize| {
                 cache_of((0..rows * width).map(|i| val(i, salt)).collect())
             };
@@ -630,30 +636,20 @@ mod tests {
         // positions in blocks of 16, with an f16 cache: the grouped loop against the loop
         // over each head by itself.
         for (heads, kv_heads) in [(8, 2), (9, 3)] {
-            let (d, n, block) = (64, 40usize, 16);
+            let (d, n) = (64, 40);
             let width = kv_heads * d;
-            let val =
-                |i: usize, salt: usize| (((i * 7919 + salt) % 211) as f32 / 211.0 - 0.5) * 3.0;
-            let cache = |salt: usize| -> Vec<f16> {
-                let mut out = vec![f16::ZERO; n.next_multiple_of(block) * width];
-                for pos in 0..n {
-                    for h in 0..kv_heads {
-                        let at = pos / block * block * width + head_row(block, d, h, pos % block);
-                        for (j, o) in out[at..at + d].iter_mut().enumerate() {
-                            *o = f16::from_f32(val(pos * width + h * d + j, salt));
-                        }
-                    }
-                }
-                out
+            let cache = |salt: usize| {
+                let rows: Vec<f32> = (0..n * width).map(|i| val(i, salt)).collect();
+                f16_cache(&rows, kv_heads, d)
             };
             let (k, v) = (cache(1), cache(2));
             let (kb, vb): (Vec<&[f16]>, Vec<&[f16]>) = (
-                k.chunks(block * width).collect(),
-                v.chunks(block * width).collect(),
+                k.chunks(16 * width).collect(),
+                v.chunks(16 * width).collect(),
             );
             let kv = |b| KvBlocks {
                 blocks: b,
-                block_size: block,
+                block_size: 16,
             };
             let q: Vec<f32> = (0..heads * d).map(|i| val(i, 3)).collect();
             let shape = HeadShape {

@@ -12,8 +12,9 @@ set -euo pipefail
 source "$(dirname "$0")/bench-lib.sh"
 source "$(dirname "$0")/llamacpp-lib.sh"
 need_llamacpp llama-server llama-quantize
-# VEC_DOT=0 skips the third server (llama.cpp on its vec_dot arithmetic) and its build.
-if [ "${VEC_DOT:-1}" = 1 ]; then need_llamacpp_vec_dot llama-server; fi
+# VEC_DOT=0 skips the second llama.cpp (on its vec_dot arithmetic) and its build.
+VEC_DOT="${VEC_DOT:-1}"
+if [ "$VEC_DOT" = 1 ]; then need_llamacpp_vec_dot llama-server; fi
 FORMATS="${FORMATS:-Q4_K_M Q8_0 F16 BF16}"
 MODELS="${XDG_CACHE_HOME:-$HOME/.cache}/ferrite/models"; mkdir -p "$MODELS"
 LOGS="$ROOT/target/bench"; mkdir -p "$LOGS"
@@ -62,12 +63,12 @@ for f in $FORMATS; do
   # other bits than the one-row vec_dot arithmetic it uses otherwise, which Ferrite
   # reproduces at every batch size. This run is llama.cpp computing what Ferrite computes:
   # built without llamafile, the tiled kernel turned off.
-  if [ "${VEC_DOT:-1}" = 1 ]; then GGML_CPU_TILED_MM=0 llama llama.cpp-vec_dot "$LLAMA_VEC_DOT_BIN"; fi
+  if [ "$VEC_DOT" = 1 ]; then GGML_CPU_TILED_MM=0 llama llama.cpp-vec_dot "$LLAMA_VEC_DOT_BIN"; fi
   {
     echo "# random 1.1B Llama-shaped model, $f"
     echo
     echo "CPU: $CPU; Ferrite's ${TIERS:-kernel tiers: not logged}; $THREADS threads each; llama-server ${NOREPACK[*]:-with repacking}."
-    if [ "${VEC_DOT:-1}" = 1 ]; then
+    if [ "$VEC_DOT" = 1 ]; then
       echo
       echo "llama.cpp-vec_dot: llama-server built with GGML_LLAMAFILE=OFF and run with GGML_CPU_TILED_MM=0, so it multiplies batches with its one-row vec_dot arithmetic (the one Ferrite reproduces bit for bit) instead of llamafile's sgemm (F16, BF16, Q8_0, Q4_0; 2 rows up) or its tiled K-quant kernel (8 rows up)."
     fi

@@ -11,37 +11,24 @@ LLAMA_DIR="$LLAMA_CACHE/llama_cpp_python-$LLAMA_VERSION/vendor/llama.cpp"
 LLAMA_BIN="$LLAMA_DIR/build/bin"
 LLAMA_VEC_DOT_BIN="$LLAMA_DIR/build-vec_dot/bin"
 
-need_llamacpp() {
-  local missing=()
-  for t in "$@"; do [ -x "$LLAMA_BIN/$t" ] || missing+=("$t"); done
-  [ ${#missing[@]} -eq 0 ] && return 0
-  llamacpp_sources
-  llamacpp_build build "${missing[@]}"
-}
+need_llamacpp() { llamacpp_targets build "" "$@"; }
 
-llamacpp_sources() {
+need_llamacpp_vec_dot() { llamacpp_targets build-vec_dot -DGGML_LLAMAFILE=OFF "$@"; }
+
+# `llamacpp_targets DIR OPTION TARGET...`: builds whichever of the targets DIR lacks, with the
+# cmake OPTION (or none if empty) beside the common ones.
+llamacpp_targets() {
+  local dir="$1" option="$2"; shift 2
+  local missing=()
+  for t in "$@"; do [ -x "$LLAMA_DIR/$dir/bin/$t" ] || missing+=("$t"); done
+  [ ${#missing[@]} -eq 0 ] && return 0
   if [ ! -f "$LLAMA_DIR/CMakeLists.txt" ]; then
     mkdir -p "$LLAMA_CACHE"
     (cd "$LLAMA_CACHE" &&
       python3 -m pip download --quiet --no-deps --no-binary :all: "llama-cpp-python==$LLAMA_VERSION" -d . &&
       tar xzf "llama_cpp_python-$LLAMA_VERSION.tar.gz")
   fi
-}
-
-need_llamacpp_vec_dot() {
-  local missing=()
-  for t in "$@"; do [ -x "$LLAMA_VEC_DOT_BIN/$t" ] || missing+=("$t"); done
-  [ ${#missing[@]} -eq 0 ] && return 0
-  llamacpp_sources
-  llamacpp_build build-vec_dot "${missing[@]}" -DGGML_LLAMAFILE=OFF
-}
-
-# `llamacpp_build DIR TARGET... [-DOPTION...]`: configures and builds the targets in DIR.
-llamacpp_build() {
-  local dir="$1"; shift
-  local targets=() options=()
-  for a in "$@"; do case "$a" in -D*) options+=("$a") ;; *) targets+=("$a") ;; esac; done
   cmake -S "$LLAMA_DIR" -B "$LLAMA_DIR/$dir" -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON \
-    -DLLAMA_CURL=OFF -DLLAMA_BUILD_SERVER=ON -DLLAMA_BUILD_TESTS=OFF "${options[@]}" > /dev/null 2>&1
-  cmake --build "$LLAMA_DIR/$dir" --target "${targets[@]}" -j "$(nproc)" > /dev/null
+    -DLLAMA_CURL=OFF -DLLAMA_BUILD_SERVER=ON -DLLAMA_BUILD_TESTS=OFF ${option:+"$option"} > /dev/null 2>&1
+  cmake --build "$LLAMA_DIR/$dir" --target "${missing[@]}" -j "$(nproc)" > /dev/null
 }

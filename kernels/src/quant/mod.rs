@@ -427,11 +427,11 @@ impl QuantMatrix {
                 // row at a time is the faster; arm64, whose speed nothing here measures,
                 // keeps one row at a time too.
                 #[cfg(target_arch = "x86_64")]
-                let four_bit = features.avx512_vnni().is_some()
+                let one_row_on_tiles = features.avx512_vnni().is_some()
                     && matches!(f, Batched::Block(BlockFormat::Q4_0 | BlockFormat::Q4_1));
                 #[cfg(not(target_arch = "x86_64"))]
-                let four_bit = false;
-                if m == 1 && !four_bit {
+                let one_row_on_tiles = false;
+                if m == 1 && !one_row_on_tiles {
                     // One weight row after the next: one stream (see `prefetch_rows`).
                     let quantize = |r: &[f32]| quantize_row(r, f.mins());
                     self.matmul_pairs(x, m, quantize, f.dot(features), None)

@@ -8,7 +8,7 @@ use std::arch::x86_64::*;
 
 use half::f16;
 
-use super::{HeadJob, HeadKernel};
+use super::{softmax_chunk, HeadJob, HeadKernel, CHUNK};
 use crate::cpu::Avx512;
 use crate::fold::{halves, pairs, quarters};
 
@@ -49,63 +49,14 @@ fn round16(x: __m512) -> __m512 {
     _mm512_cvtph_ps(_mm512_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(x))
 }
 
-/// Positions handled per pass of [`heads_avx512`].
-pub(super) const CHUNK: usize = 16;
-
-/// glibc's `expf` (2.28 and later, the variant it picks on CPUs with FMA) eight lanes at
-/// a time: the same 32-entry table of `2^(i/32)`, cubic polynomial in double precision,
-/// fused multiply-adds and special cases, so every lane equals what libm returns (which
-/// llama.cpp's softmax calls) bit for bit.
+/// glibc's `expf` eight lanes at a time (see [`super::super::expf`]): the table lookup,
+/// polynomial, fused multiply-adds and special cases in the same order, so every lane
+/// equals what libm returns bit for bit.
 mod expf {
     use std::arch::x86_64::*;
 
-    /// `32 / ln 2`.
-    const INV_LN2_N: u64 = 0x40471547652b82fe;
-    /// `1.5 · 2^52`: adding it rounds to an integer held in the low mantissa bits.
-    const SHIFT: u64 = 0x4338000000000000;
-    /// The polynomial's coefficients of `r^3`, `r^2` and `r`.
-    const C: [u64; 3] = [0x3ebc6af84b912394, 0x3f2ebfce50fac4f3, 0x3f962e42ff0c52d6];
-    /// `2^(i/32)` with `i << 47` subtracted from its bits.
-    const T: [u64; 32] = [
-        0x3ff0000000000000,
-        0x3fefd9b0d3158574,
-        0x3fefb5586cf9890f,
-        0x3fef9301d0125b51,
-        0x3fef72b83c7d517b,
-        0x3fef54873168b9aa,
-        0x3fef387a6e756238,
-        0x3fef1e9df51fdee1,
-        0x3fef06fe0a31b715,
-        0x3feef1a7373aa9cb,
-        0x3feedea64c123422,
-        0x3feece086061892d,
-        0x3feebfdad5362a27,
-        0x3feeb42b569d4f82,
-        0x3feeab07dd485429,
-        0x3feea47eb03a5585,
-        0x3feea09e667f3bcd,
-        0x3fee9f75e8ec5f74,
-        0x3feea11473eb0187,
-        0x3feea589994cce13,
-        0x3feeace5422aa0db,
-        0x3feeb737b0cdc5e5,
-        0x3feec49182a3f090,
-        0x3feed503b23e255d,
-        0x3feee89f995ad3ad,
-        0x3feeff76f2fb5e47,
-        0x3fef199bdd85529c,
-        0x3fef3720dcef9069,
-        0x3fef5818dcfba487,
-        0x3fef7c97337b9b5f,
-        0x3fefa4afa2a490da,
-        0x3fefd0765b6e4540,
-    ];
-    /// Above this (`log 2^128`) the result overflows to infinity.
-    const OVERFLOW: u32 = 0x42b17217;
-    /// Below this (`log 2^-150`) the result is zero.
-    const UNDERFLOW: u32 = 0xc2cff1b4;
-    /// Below this (`log 2^-149`) and not below [`UNDERFLOW`], the smallest subnormal.
-    const MAY_UNDERFLOW: u32 = 0xc2ce8ecf;
+    use super::super::expf::{C, INV_LN2_N, MAY_UNDERFLOW, OVERFLOW, SHIFT, T, UNDERFLOW};
+    use super::CHUNK;
 
     /// `expf` of each lane of `x`.
     #[target_feature(enable = "avx512f")]
@@ -159,72 +110,13 @@ mod expf {
 
     /// [`expf8`] over a chunk of arguments.
     #[target_feature(enable = "avx512f")]
-    pub(super) fn expf_chunk(x: &[f32; super::CHUNK]) -> [f32; super::CHUNK] {
-        let mut out = [0f32; super::CHUNK];
+    pub(super) fn expf_chunk(x: &[f32; CHUNK]) -> [f32; CHUNK] {
+        let mut out = [0f32; CHUNK];
         for (o, x) in out.chunks_exact_mut(8).zip(x.chunks_exact(8)) {
             // SAFETY: each chunk holds exactly eight f32; loads and stores are unaligned.
             unsafe { _mm256_storeu_ps(o.as_mut_ptr(), expf8(_mm256_loadu_ps(x.as_ptr()))) };
         }
         out
-    }
-}
-
-/// The online-softmax bookkeeping of one chunk, in position order: for each head and
-/// position, the factor the accumulator is rescaled by (`ms`: below 1 where the position
-/// raised the maximum; where it is exactly 1, rescaling an accumulator of f16 values
-/// changes nothing, so the kernel skips it) and the weight of its value row (`vs`);
-/// updates the running maximum and sum exactly as the single-position loop does. The
-/// exponentials' arguments only depend on the running maximum, so they are found first
-/// and then computed sixteen at a time. A chunk where no score exceeds the maximum (most
-/// chunks after the first) takes a shortcut with the same results: every argument is
-/// `s - max` in one vector subtraction and every `ms` is 1.
-#[inline]
-#[target_feature(enable = "avx512f")]
-fn softmax_chunk<const G: usize>(
-    scores: &[[f32; CHUNK]; G],
-    n: usize,
-    max: &mut [f32; G],
-    sum: &mut [f32; G],
-    ms: &mut [[f32; CHUNK]; G],
-    vs: &mut [[f32; CHUNK]; G],
-) {
-    let live: __mmask16 = if n >= CHUNK { !0 } else { (1 << n) - 1 };
-    for g in 0..G {
-        // SAFETY: `scores[g]` holds exactly sixteen f32; the load is unaligned.
-        let s = unsafe { _mm512_loadu_ps(scores[g].as_ptr()) };
-        let top = _mm512_set1_ps(max[g]);
-        if _mm512_mask_cmp_ps_mask::<_CMP_GT_OQ>(live, s, top) == 0 {
-            // The maximum stands for the whole chunk: what the loop below would compute
-            // with `raised` false at every position.
-            let mut args = [0f32; CHUNK];
-            // SAFETY: `args` holds exactly sixteen f32; the store is unaligned.
-            unsafe { _mm512_storeu_ps(args.as_mut_ptr(), _mm512_sub_ps(s, top)) };
-            let e = expf::expf_chunk(&args);
-            ms[g] = [1.0; CHUNK];
-            vs[g] = e;
-            for &v in &e[..n] {
-                // `sum · 1 + v` rounds once, as the fused multiply-add below does.
-                sum[g] += v;
-            }
-            continue;
-        }
-        let (mut args, mut raised) = ([0f32; CHUNK], [false; CHUNK]);
-        for ((&s, arg), raised) in scores[g][..n].iter().zip(&mut args).zip(&mut raised) {
-            *raised = s > max[g];
-            if *raised {
-                *arg = max[g] - s;
-                max[g] = s;
-            } else {
-                *arg = s - max[g];
-            }
-        }
-        let e = expf::expf_chunk(&args);
-        for j in 0..n {
-            let (m, v) = if raised[j] { (e[j], 1.0) } else { (1.0, e[j]) };
-            ms[g][j] = m;
-            vs[g][j] = v;
-            sum[g] = sum[g].mul_add(m, v);
-        }
     }
 }
 
@@ -299,7 +191,8 @@ fn heads_avx512<const N: usize, const G: usize>(
             // SAFETY: `scores` holds exactly sixteen f32; the store is unaligned.
             unsafe { _mm512_storeu_ps(scores.as_mut_ptr(), s) };
         }
-        softmax_chunk(&scores, n, &mut max, &mut sum, &mut ms, &mut vs);
+        let exp = |x: &[f32; CHUNK]| expf::expf_chunk(x);
+        softmax_chunk(&scores, n, &mut max, &mut sum, &mut ms, &mut vs, exp);
         for (j, v) in values.rows(head, d, first, n).enumerate() {
             let mut vx = [_mm512_setzero_ps(); N];
             for (c, vx) in vx.iter_mut().enumerate() {

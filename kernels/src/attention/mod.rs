@@ -22,6 +22,8 @@ mod avx2;
 #[cfg(target_arch = "x86_64")]
 #[allow(unsafe_code)]
 mod avx512;
+#[cfg(target_arch = "x86_64")]
+mod expf;
 
 /// A KV cache element type.
 pub trait KvElement: Copy + Default + Send + Sync + std::fmt::Debug + 'static {
@@ -95,8 +97,14 @@ impl KvElement for f16 {
     }
     fn head_kernel(head_dim: usize) -> Option<HeadKernel<Self>> {
         #[cfg(target_arch = "x86_64")]
-        if let Some(cpu) = cpu::detect().avx512() {
-            return avx512::head_kernel(cpu, head_dim);
+        {
+            let cpu = cpu::detect();
+            if let Some(cpu) = cpu.avx512() {
+                return avx512::head_kernel(cpu, head_dim);
+            }
+            if let Some(cpu) = cpu.avx2() {
+                return avx2::head_kernel(cpu, head_dim);
+            }
         }
         let _ = head_dim;
         None
@@ -319,6 +327,64 @@ fn portable_heads<T: KvElement>(job: HeadJob<'_, T>, out: &mut [f32], scratch: &
     }
 }
 
+/// Positions a vector head kernel handles per pass.
+#[cfg(target_arch = "x86_64")]
+const CHUNK: usize = 16;
+
+/// The online-softmax bookkeeping of a vector head kernel's chunk of `n` positions, in
+/// position order: for each head and position, the factor the accumulator is rescaled by
+/// (`ms`: below 1 where the position raised the maximum; where it is exactly 1, rescaling
+/// an accumulator of f16 values changes nothing, so the kernels skip it) and the weight of
+/// its value row (`vs`); updates the running maximum and sum exactly as
+/// [`portable_heads`] does. The exponentials' arguments only depend on the running
+/// maximum, so they are found first and then handed to `exp` (`expf` of each lane) all at
+/// once. A chunk where no score exceeds the maximum (most chunks after the first) takes a
+/// shortcut with the same results: every argument is `s - max` and every `ms` is 1.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+fn softmax_chunk<const G: usize>(
+    scores: &[[f32; CHUNK]; G],
+    n: usize,
+    max: &mut [f32; G],
+    sum: &mut [f32; G],
+    ms: &mut [[f32; CHUNK]; G],
+    vs: &mut [[f32; CHUNK]; G],
+    exp: impl Fn(&[f32; CHUNK]) -> [f32; CHUNK],
+) {
+    for g in 0..G {
+        let top = max[g];
+        if !scores[g][..n].iter().any(|&s| s > top) {
+            // The maximum stands for the whole chunk: what the loop below would compute
+            // with `raised` false at every position.
+            let e = exp(&scores[g].map(|s| s - top));
+            ms[g] = [1.0; CHUNK];
+            vs[g] = e;
+            for &v in &e[..n] {
+                // `sum · 1 + v` rounds once, as the fused multiply-add below does.
+                sum[g] += v;
+            }
+            continue;
+        }
+        let (mut args, mut raised) = ([0f32; CHUNK], [false; CHUNK]);
+        for ((&s, arg), raised) in scores[g][..n].iter().zip(&mut args).zip(&mut raised) {
+            *raised = s > max[g];
+            if *raised {
+                *arg = max[g] - s;
+                max[g] = s;
+            } else {
+                *arg = s - max[g];
+            }
+        }
+        let e = exp(&args);
+        for j in 0..n {
+            let (m, v) = if raised[j] { (e[j], 1.0) } else { (1.0, e[j]) };
+            ms[g][j] = m;
+            vs[g][j] = v;
+            sum[g] = sum[g].mul_add(m, v);
+        }
+    }
+}
+
 /// q · k as ggml's AVX-512 `ggml_vec_dot_f16` sums it: 64 values at a time in four
 /// 16-lane accumulators, folded (0+2)+(1+3), then the 16 lanes halved down to one; any
 /// remainder is added one product at a time in f64.
@@ -360,13 +426,24 @@ fn reduce16(a: [f32; 16]) -> f32 {
 mod tests {
     use super::*;
 
+    /// Why a tier's kernel went unchecked.
+    #[cfg(target_arch = "x86_64")]
+    const NO_TIER: &str = "the CPU lacks, or FERRITE_CPU_TIER caps away, its tier:";
+
     #[cfg(target_arch = "x86_64")]
     #[test]
     fn vector_expf_equals_libm_bit_for_bit() {
-        let Some(cpu) = cpu::detect().avx512() else {
-            eprintln!("not checked: this CPU has no AVX-512");
-            return;
-        };
+        let cpu = cpu::detect();
+        type Expf = Box<dyn Fn(&[f32; CHUNK]) -> [f32; CHUNK]>;
+        let mut tiers: Vec<(&str, Expf)> = Vec::new();
+        match cpu.avx512() {
+            Some(cpu) => tiers.push(("AVX-512", Box::new(move |x| avx512::expf16(cpu, x)))),
+            None => eprintln!("AVX-512 expf not checked: {NO_TIER} AVX-512"),
+        }
+        match cpu.avx2() {
+            Some(cpu) => tiers.push(("AVX2", Box::new(move |x| avx2::expf16(cpu, x)))),
+            None => eprintln!("AVX2 expf not checked: {NO_TIER} AVX2"),
+        }
         // The edges of glibc's special cases, zeros, infinities, NaN, subnormals, then every
         // 4099th bit pattern of the whole float range.
         let edges = [
@@ -396,16 +473,18 @@ mod tests {
         .map(f32::from_bits);
         let sweep = (0..=u32::MAX).step_by(4099).map(f32::from_bits);
         let all: Vec<f32> = edges.into_iter().chain(near).chain(sweep).collect();
-        for chunk in all.chunks(avx512::CHUNK) {
-            let mut x = [0f32; avx512::CHUNK];
-            x[..chunk.len()].copy_from_slice(chunk);
-            let got = avx512::expf16(cpu, &x);
-            for (&x, &got) in x.iter().zip(&got) {
-                let want = x.exp();
-                assert!(
-                    got.to_bits() == want.to_bits() || (got.is_nan() && want.is_nan()),
-                    "expf({x:e}) = {got:e}, libm says {want:e}"
-                );
+        for (tier, expf16) in &tiers {
+            for chunk in all.chunks(CHUNK) {
+                let mut x = [0f32; CHUNK];
+                x[..chunk.len()].copy_from_slice(chunk);
+                let got = expf16(&x);
+                for (&x, &got) in x.iter().zip(&got) {
+                    let want = x.exp();
+                    assert!(
+                        got.to_bits() == want.to_bits() || (got.is_nan() && want.is_nan()),
+                        "{tier} expf({x:e}) = {got:e}, libm says {want:e}"
+                    );
+                }
             }
         }
     }
@@ -562,10 +641,7 @@ mod tests {
     fn the_vector_head_kernels_equal_the_portable_loop_bit_for_bit() {
         // Widths with a kernel, grouped-query layouts (3 and 8 query heads per KV head) and
         // two sequences whose rows share one call: a prefill chunk and a decode.
-        for (d, heads, kv_heads) in [(64, 9, 3), (128, 8, 1), (64, 4, 4)] {
-            let Some(kernel) = <f16 as KvElement>::head_kernel(d) else {
-                return;
-            };
+        for (d, heads, kv_heads) in [(64, 9, 3), (128, 8, 1), (64, 4, 4), (256, 2, 2)] {
             let width = kv_heads * d;
             let cache_of = |rows: Vec<f32>| f16_cache(&rows, kv_heads, d);
             let cache = |salt: usize, rows: usize| {
@@ -622,12 +698,36 @@ mod tests {
                 attention_with(&q, &positions, &seqs, shape, &mut out, k);
                 out.iter().map(|v| v.to_bits()).collect::<Vec<_>>()
             };
-            assert_eq!(
-                run(Some(kernel)),
-                run(None),
-                "head_dim {d}, {heads}/{kv_heads} heads"
-            );
+            let portable = run(None);
+            for (tier, kernel) in vector_head_kernels(d) {
+                assert_eq!(
+                    run(Some(kernel)),
+                    portable,
+                    "{tier} kernel, head_dim {d}, {heads}/{kv_heads} heads"
+                );
+            }
         }
+    }
+
+    /// Each vector head kernel for heads of `d` values that this CPU runs, by tier (all of
+    /// them, not only the one attention picks); says which tiers it could not check.
+    fn vector_head_kernels(d: usize) -> Vec<(&'static str, HeadKernel<f16>)> {
+        let mut kernels = Vec::new();
+        #[cfg(target_arch = "x86_64")]
+        {
+            let cpu = cpu::detect();
+            match cpu.avx512() {
+                Some(cpu) => kernels.extend(avx512::head_kernel(cpu, d).map(|k| ("AVX-512", k))),
+                None => eprintln!("AVX-512 head kernel not checked: {NO_TIER} AVX-512"),
+            }
+            match cpu.avx2() {
+                Some(cpu) => kernels.extend(avx2::head_kernel(cpu, d).map(|k| ("AVX2", k))),
+                None => eprintln!("AVX2 head kernel not checked: {NO_TIER} AVX2"),
+            }
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        eprintln!("no vector head kernel on this architecture: the portable loop is all");
+        kernels
     }
 
     #[test]

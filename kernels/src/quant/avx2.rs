@@ -255,8 +255,26 @@ fn tile_avx2<const VNNI: bool>(u: &Unpacked, a: &QuantizedRow) -> [f32; 4] {
 fn tile_pair_avx2<const VNNI: bool>(u: &Unpacked, a: [&QuantizedRow; 2]) -> [[f32; 4]; 2] {
     let mut acc = [[_mm256_setzero_ps(); 2]; 4];
     let mut summs = [_mm_setzero_ps(); 2];
-    for i in 0..a[0].d.len() {
+    let blocks = a[0].d.len();
+    assert!(a[1].d.len() == blocks && u.d.len() >= 4 * blocks);
+    for i in 0..blocks {
         let qy = [activation(a[0], i), activation(a[1], i)];
+        // The block's eight scale products (weight row `k` by activation row `r` in lane
+        // `4 r + k`) in one multiplication, each then broadcast from memory: a load, where a
+        // scalar product and a register broadcast per pair took two slots of the
+        // multiply-add pipes the integer products also need. The same f32 products.
+        let mut scales = [0f32; 8];
+        // SAFETY: `u.d` holds four scales per block (asserted); `scales` holds eight f32;
+        // loads and stores are unaligned.
+        unsafe {
+            let dw = _mm_loadu_ps(u.d[i * 4..i * 4 + 4].as_ptr());
+            let da = _mm256_set_m128(_mm_set1_ps(a[1].d[i]), _mm_set1_ps(a[0].d[i]));
+            let products = _mm256_mul_ps(_mm256_set_m128(dw, dw), da);
+            _mm256_storeu_ps(scales.as_mut_ptr(), products);
+        }
+        // Opaque, so the compiler keeps the products in memory rather than turning each
+        // broadcast back into a shuffle of the register.
+        let scales = std::hint::black_box(&scales);
         for (k, acc) in acc.iter_mut().enumerate() {
             let at = i * 4 + k;
             // SAFETY: each unpacked block is exactly 32 bytes; loadu is unaligned.
@@ -272,7 +290,7 @@ fn tile_pair_avx2<const VNNI: bool>(u: &Unpacked, a: [&QuantizedRow; 2]) -> [[f3
                 } else {
                     qy[r]
                 };
-                let scale = _mm256_set1_ps(u.d[at] * a[r].d[i]);
+                let scale = _mm256_broadcast_ss(&scales[4 * r + k]);
                 *acc = _mm256_fmadd_ps(scale, lane_sums::<VNNI>(ax, sy), *acc);
             }
         }

@@ -261,19 +261,32 @@ fn every_kernel_matches_the_portable_code_bit_for_bit() {
             .map(|r| bits(dot_kernel(features, fmt)(r, &a)))
             .collect();
         assert_eq!(want[0], portable, "{fmt:?} dot");
+        // Six different activation rows too, so a tile that pairs a weight row with the
+        // wrong activation row (or scale) shows.
+        let acts: Vec<QuantizedRow> = (0..6)
+            .map(|i| {
+                let mut v = x.clone();
+                v.rotate_left(i * 7);
+                v.iter_mut().for_each(|x| *x *= 1.0 + i as f32 * 0.3);
+                quantize_row(&v, fmt == BlockFormat::Q4_1)
+            })
+            .collect();
+        let want: Vec<[u32; 4]> = acts
+            .iter()
+            .map(|a| quad.map(|r| bits(dots[0].1(fmt)(r, a))))
+            .collect();
         let mut u = Unpacked::default();
-        u.fill(fmt, [&w, &w, &w, &w]);
+        u.fill(fmt, quad);
         // Runs of 1, 4 and 6 activation rows (the wide kernels' groups and remainder).
         for n in [1, 4, 6] {
-            let acts = vec![a.clone(); n];
+            let (acts, want) = (&acts[..n], &want[..n]);
             #[cfg(target_arch = "x86_64")]
             if let Some(cpu) = features.avx512_vnni() {
                 let packed = avx512::packed_tile(cpu, fmt);
                 let mut out = vec![[0f32; 4]; n];
-                packed(quad, &acts, &mut out);
-                for o in &out {
-                    assert_eq!(o.map(bits).to_vec(), want, "{fmt:?} packed tile of {n}");
-                }
+                packed(quad, acts, &mut out);
+                let got: Vec<[u32; 4]> = out.iter().map(|o| o.map(bits)).collect();
+                assert_eq!(got, want, "{fmt:?} packed tile of {n}");
             }
             #[cfg_attr(
                 not(any(target_arch = "x86_64", target_arch = "aarch64")),
@@ -292,11 +305,9 @@ fn every_kernel_matches_the_portable_code_bit_for_bit() {
             }
             for kernel in kernels {
                 let mut out = vec![[0f32; 4]; n];
-                kernel(&u, &acts, &mut out);
-                assert!(
-                    out.iter().flatten().all(|&v| bits(v) == portable),
-                    "{fmt:?} tile of {n}"
-                );
+                kernel(&u, acts, &mut out);
+                let got: Vec<[u32; 4]> = out.iter().map(|o| o.map(bits)).collect();
+                assert_eq!(got, want, "{fmt:?} tile of {n}");
             }
         }
     }

@@ -9,7 +9,7 @@ use std::arch::x86_64::*;
 use half::f16;
 
 use super::expf::{C, INV_LN2_N, MAY_UNDERFLOW, OVERFLOW, SHIFT, T, UNDERFLOW};
-use super::{softmax_chunk, HeadJob, HeadKernel, CHUNK};
+use super::{prefetch_next_chunk, softmax_chunk, HeadJob, HeadKernel, CHUNK};
 use crate::cpu::Avx2;
 
 /// `dst[i] = one(src[i])` over the shorter slice's length: `eight` takes exactly eight
@@ -250,14 +250,7 @@ fn heads_avx2<const N: usize, const G: usize>(qr: &[f32], job: HeadJob<'_, f16>,
     let mut first = 0;
     while first <= last {
         let n = CHUNK.min(last + 1 - first);
-        let ahead = CHUNK.min((last + 1).saturating_sub(first + CHUNK));
-        for rows in [&keys, &values] {
-            for row in rows.rows(head, d, first + CHUNK, ahead) {
-                for line in row.chunks(32) {
-                    _mm_prefetch::<_MM_HINT_T0>(line.as_ptr().cast());
-                }
-            }
-        }
+        prefetch_next_chunk(&job, d, first);
         for (j, k) in keys.rows(head, d, first, n).enumerate() {
             let mut kx = [_mm256_setzero_ps(); N];
             for (c, kx) in kx.iter_mut().enumerate() {

@@ -8,7 +8,7 @@ use std::arch::x86_64::*;
 
 use half::f16;
 
-use super::{softmax_chunk, HeadJob, HeadKernel, CHUNK};
+use super::{prefetch_next_chunk, softmax_chunk, HeadJob, HeadKernel, CHUNK};
 use crate::cpu::Avx512;
 use crate::fold::{halves, pairs, quarters};
 
@@ -157,16 +157,7 @@ fn heads_avx512<const N: usize, const G: usize>(
     let mut first = 0;
     while first <= last {
         let n = CHUNK.min(last + 1 - first);
-        // The next chunk's key and value rows are asked for now, while this one computes
-        // (a long context is far beyond the caches, and each row is read once per step).
-        let ahead = CHUNK.min((last + 1).saturating_sub(first + CHUNK));
-        for rows in [&keys, &values] {
-            for row in rows.rows(head, d, first + CHUNK, ahead) {
-                for line in row.chunks(32) {
-                    _mm_prefetch::<_MM_HINT_T0>(line.as_ptr().cast());
-                }
-            }
-        }
+        prefetch_next_chunk(&job, d, first);
         for (j, k) in keys.rows(head, d, first, n).enumerate() {
             let mut kx = [_mm512_setzero_ps(); N];
             for (c, kx) in kx.iter_mut().enumerate() {

@@ -331,6 +331,24 @@ fn portable_heads<T: KvElement>(job: HeadJob<'_, T>, out: &mut [f32], scratch: &
 #[cfg(target_arch = "x86_64")]
 const CHUNK: usize = 16;
 
+/// Asks for the cache lines of the key and value rows of the chunk after the one from
+/// position `first` (rows of `d` values), while that one computes: a long context is far
+/// beyond the caches, and each row is read once per step.
+#[cfg(target_arch = "x86_64")]
+#[inline]
+#[target_feature(enable = "sse")]
+fn prefetch_next_chunk<T>(job: &HeadJob<'_, T>, d: usize, first: usize) {
+    use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
+    let ahead = CHUNK.min((job.last + 1).saturating_sub(first + CHUNK));
+    for rows in [&job.keys, &job.values] {
+        for row in rows.rows(job.head, d, first + CHUNK, ahead) {
+            for line in row.chunks(64 / size_of::<T>().max(1)) {
+                _mm_prefetch::<_MM_HINT_T0>(line.as_ptr().cast());
+            }
+        }
+    }
+}
+
 /// The online-softmax bookkeeping of a vector head kernel's chunk of `n` positions, in
 /// position order: for each head and position, the factor the accumulator is rescaled by
 /// (`ms`: below 1 where the position raised the maximum; where it is exactly 1, rescaling

@@ -137,6 +137,20 @@ pub struct TestCluster {
     processes: Vec<Supervised>,
 }
 
+/// Where LeaderWorkerSet's controller's two ports (webhooks, health probes) come from.
+type PortSource = Box<dyn FnMut() -> Result<[u16; 2], Error>>;
+
+/// Starts of LeaderWorkerSet's controller before a port taken under it is an error.
+const LWS_STARTS: usize = 3;
+
+/// Two port numbers the OS says are free now.
+fn two_free_ports() -> Result<[u16; 2], Error> {
+    match free_ports(2)?[..] {
+        [a, b] => Ok([a, b]),
+        _ => Err(Error::Binaries("could not pick free ports".into())),
+    }
+}
+
 /// Port numbers the OS says are free now (held together so they are distinct).
 fn free_ports(n: usize) -> Result<Vec<u16>, Error> {
     let listeners = (0..n)
@@ -243,6 +257,12 @@ impl TestCluster {
     /// Starts a control plane and waits until it is ready (blocking; safe to call from async
     /// code, the waiting runs on its own thread).
     pub fn start_with(options: Options) -> Result<Self, Error> {
+        Self::start_with_ports(options, Box::new(|| two_free_ports()))
+    }
+
+    /// [`TestCluster::start_with`], taking LeaderWorkerSet's controller's ports from
+    /// `lws_ports`.
+    fn start_with_ports(options: Options, lws_ports: PortSource) -> Result<Self, Error> {
         let bins = binaries_dir()?;
         let dir = tempfile::Builder::new()
             .prefix("ferrite-testcluster-")
@@ -257,7 +277,7 @@ impl TestCluster {
             processes: Vec::new(),
         };
         // On error, `cluster` drops here and stops whatever was started.
-        cluster.launch(&bins)?;
+        cluster.launch(&bins, lws_ports)?;
         Ok(cluster)
     }
 
@@ -270,12 +290,10 @@ impl TestCluster {
         Ok(())
     }
 
-    fn launch(&mut self, bins: &Path) -> Result<(), Error> {
+    fn launch(&mut self, bins: &Path, lws_ports: PortSource) -> Result<(), Error> {
         let d = self.dir.display().to_string();
         let certs = certs::generate(&self.dir)?;
-        let [etcd_client, etcd_peer, api_port, kwok_port, hook_port, lws_health] =
-            free_ports(6)?[..]
-        else {
+        let [etcd_client, etcd_peer, api_port, kwok_port] = free_ports(4)?[..] else {
             return Err(Error::Binaries("could not pick free ports".into()));
         };
 
@@ -380,15 +398,34 @@ impl TestCluster {
             )?;
         }
         if self.options.leaderworkerset && self.options.controller_manager {
-            let lws_dir = lws::binaries_dir()?;
-            let crds = lws_dir.join("crds.yaml");
-            let ca = std::fs::read(&certs.ca_cert).map_err(|e| Error::io(&certs.ca_cert, e))?;
-            self.block_on(|c| async move {
-                install_crds(&c, &crds).await?;
-                lws::register_webhooks(&c, hook_port, &ca).await
-            })?;
+            self.launch_lws(&kc, &certs, lws_ports)?;
+        }
+        Ok(())
+    }
+
+    /// Installs LeaderWorkerSet's CRDs and starts its controller, its webhooks registered,
+    /// on ports from `ports`, picked just before it starts. A port picked free can still be
+    /// taken before the controller binds it (by another test's cluster, or as the local port
+    /// of some outgoing connection); the controller then exits with "address already in
+    /// use" and is started again on other ports, up to [`LWS_STARTS`] times in all.
+    fn launch_lws(
+        &mut self,
+        kc: &str,
+        certs: &certs::CertFiles,
+        mut ports: PortSource,
+    ) -> Result<(), Error> {
+        let lws_dir = lws::binaries_dir()?;
+        let crds = lws_dir.join("crds.yaml");
+        self.block_on(|c| async move { install_crds(&c, &crds).await })?;
+        let ca = std::fs::read(&certs.ca_cert).map_err(|e| Error::io(&certs.ca_cert, e))?;
+        let log = self.dir.join("lws-controller.log");
+        let mut start = 1;
+        loop {
+            let [hook_port, health_port] = ports()?;
+            let ca = ca.clone();
+            self.block_on(|c| async move { lws::register_webhooks(&c, hook_port, &ca).await })?;
             let config = self.dir.join("lws.yaml");
-            let text = lws::config(hook_port, lws_health, &certs.webhook_dir);
+            let text = lws::config(hook_port, health_port, &certs.webhook_dir);
             std::fs::write(&config, text).map_err(|e| Error::io(&config, e))?;
             let l_args = vec![
                 format!("--config={}", config.display()),
@@ -400,14 +437,28 @@ impl TestCluster {
                 &binary(&lws_dir, "lws-controller")?,
                 l_args,
             )?;
-            self.wait(
+            match self.wait(
                 "lws-controller",
                 Duration::from_secs(60),
                 "LeaderWorkerSet's webhooks to answer",
                 |c| async move { lws::webhooks_answer(&c).await },
-            )?;
+            ) {
+                Err(Error::NotReady {
+                    name, log: tail, ..
+                }) if name == "lws-controller"
+                    && start < LWS_STARTS
+                    && tail.contains("address already in use") =>
+                {
+                    // The controller exited (its supervisor is done): forget it, and keep its
+                    // log apart, so the next start's log says only what that start did.
+                    self.processes.pop();
+                    let kept = self.dir.join(format!("lws-controller.start{start}.log"));
+                    std::fs::rename(&log, &kept).map_err(|e| Error::io(&log, e))?;
+                    start += 1;
+                }
+                result => return result,
+            }
         }
-        Ok(())
     }
 
     /// Runs `f` with an admin client to completion on a runtime of its own thread (blocking;
@@ -695,5 +746,41 @@ where
             ));
         }
         tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::Arc;
+
+    #[test]
+    fn lws_starts_again_when_a_port_picked_for_it_is_taken_before_it_binds() {
+        // A port this test holds: the first start's health probe cannot bind it, as when
+        // another process takes a port between its picking and the controller's start.
+        let busy = TcpListener::bind("127.0.0.1:0").expect("a loopback port");
+        let taken = busy.local_addr().expect("its address").port();
+        let picks = Arc::new(AtomicU32::new(0));
+        let counted = Arc::clone(&picks);
+        let ports: PortSource = Box::new(move || {
+            let [hook, health] = two_free_ports()?;
+            let first = counted.fetch_add(1, Ordering::SeqCst) == 0;
+            Ok([hook, if first { taken } else { health }])
+        });
+        let options = Options {
+            scheduler: false,
+            kwok: false,
+            ..Options::default()
+        };
+        let cluster = TestCluster::start_with_ports(options, ports)
+            .expect("LWS's webhooks answer after a second start");
+        assert_eq!(picks.load(Ordering::SeqCst), 2, "one start per pick");
+        let first = cluster.dir.join("lws-controller.start1.log");
+        let first = std::fs::read_to_string(&first).expect("the first start's log is kept");
+        assert!(first.contains("address already in use"), "{first}");
+        assert!(!cluster
+            .log_tail("lws-controller", 4000)
+            .contains("address already in use"));
+        drop(busy);
     }
 }

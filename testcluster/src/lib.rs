@@ -257,7 +257,7 @@ impl TestCluster {
     /// Starts a control plane and waits until it is ready (blocking; safe to call from async
     /// code, the waiting runs on its own thread).
     pub fn start_with(options: Options) -> Result<Self, Error> {
-        Self::start_with_ports(options, Box::new(|| two_free_ports()))
+        Self::start_with_ports(options, Box::new(two_free_ports))
     }
 
     /// [`TestCluster::start_with`], taking LeaderWorkerSet's controller's ports from

@@ -729,23 +729,26 @@ mod tests {
 
     /// Each vector head kernel for heads of `d` values that this CPU runs, by tier (all of
     /// them, not only the one attention picks); says which tiers it could not check.
+    #[cfg(target_arch = "x86_64")]
     fn vector_head_kernels(d: usize) -> Vec<(&'static str, HeadKernel<f16>)> {
         let mut kernels = Vec::new();
-        #[cfg(target_arch = "x86_64")]
-        {
-            let cpu = cpu::detect();
-            match cpu.avx512() {
-                Some(cpu) => kernels.extend(avx512::head_kernel(cpu, d).map(|k| ("AVX-512", k))),
-                None => eprintln!("AVX-512 head kernel not checked: {NO_TIER} AVX-512"),
-            }
-            match cpu.avx2() {
-                Some(cpu) => kernels.extend(avx2::head_kernel(cpu, d).map(|k| ("AVX2", k))),
-                None => eprintln!("AVX2 head kernel not checked: {NO_TIER} AVX2"),
-            }
+        let cpu = cpu::detect();
+        match cpu.avx512() {
+            Some(cpu) => kernels.extend(avx512::head_kernel(cpu, d).map(|k| ("AVX-512", k))),
+            None => eprintln!("AVX-512 head kernel not checked: {NO_TIER} AVX-512"),
         }
-        #[cfg(not(target_arch = "x86_64"))]
-        eprintln!("no vector head kernel on this architecture: the portable loop is all");
+        match cpu.avx2() {
+            Some(cpu) => kernels.extend(avx2::head_kernel(cpu, d).map(|k| ("AVX2", k))),
+            None => eprintln!("AVX2 head kernel not checked: {NO_TIER} AVX2"),
+        }
         kernels
+    }
+
+    /// No architecture but x86-64 has vector head kernels: says so.
+    #[cfg(not(target_arch = "x86_64"))]
+    fn vector_head_kernels(_d: usize) -> Vec<(&'static str, HeadKernel<f16>)> {
+        eprintln!("no vector head kernel on this architecture: the portable loop is all");
+        Vec::new()
     }
 
     #[test]

@@ -245,8 +245,6 @@ fn every_kernel_matches_the_portable_code_bit_for_bit() {
             assert_eq!(bits(dot_kernel(features, fmt)(&w, &a)), want, "{fmt:?} dot");
         }
         let w = block(fmt, nb);
-        let a = quantize_row(&x, fmt == BlockFormat::Q4_1);
-        let portable = bits(dots[0].1(fmt)(&w, &a));
         // Four different rows, so a mixed-up row order shows.
         let rows: Vec<Vec<u8>> = (0..4)
             .map(|r| {
@@ -256,13 +254,9 @@ fn every_kernel_matches_the_portable_code_bit_for_bit() {
             })
             .collect();
         let quad = [&rows[0][..], &rows[1], &rows[2], &rows[3]];
-        let want: Vec<u32> = quad
-            .iter()
-            .map(|r| bits(dot_kernel(features, fmt)(r, &a)))
-            .collect();
-        assert_eq!(want[0], portable, "{fmt:?} dot");
         // Six different activation rows too, so a tile that pairs a weight row with the
-        // wrong activation row (or scale) shows.
+        // wrong activation row (or scale) shows; each pair's portable dot is what the tiles
+        // must give.
         let acts: Vec<QuantizedRow> = (0..6)
             .map(|i| {
                 let mut v = x.clone();

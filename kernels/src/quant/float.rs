@@ -215,6 +215,17 @@ impl F16Tiles {
             F16Tiles::Avx512(cpu) => super::avx512::float::tile_f16(cpu, w, x, ahead, out),
         }
     }
+
+    /// Eight F16 weight rows as stored against activation rows `x` (a multiple of two, at
+    /// most [`TILE_ROWS`]): `out[a][r]`, each [`FloatKernel::dot`]'s result. `ahead`'s
+    /// cache lines are fetched while it computes.
+    pub(crate) fn tile8(self, w: [&[u8]; 8], x: &[&[f32]], ahead: &[u8], out: &mut [[f32; 8]]) {
+        let _ = (w, x, ahead, &out);
+        match self {
+            #[cfg(target_arch = "x86_64")]
+            F16Tiles::Avx512(cpu) => super::avx512::float::tile8_f16(cpu, w, x, ahead, out),
+        }
+    }
 }
 
 /// The value of BF16 bits, exactly.
@@ -672,8 +683,8 @@ impl FloatKernel {
 /// outputs, every activation row as long as `x[0]`, and weight rows holding at least
 /// `values` each) and returns the activation rows' length.
 #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
-pub(crate) fn tile_columns<T>(
-    values: [usize; 4],
+pub(crate) fn tile_columns<T, const R: usize>(
+    values: [usize; R],
     x: &[&[T]],
     outputs: usize,
     group: usize,
@@ -853,9 +864,39 @@ impl QuantMatrix {
             }
             return;
         }
-        let quads = range.start + range.len() / 4 * 4;
-        // F16 rows are widened as the tile loads them where it can, with no copy.
+        // F16 rows are widened as the tile loads them where it can, with no copy: eight rows
+        // at a time against activation rows in pairs, then four at a time.
         let stored = kernel.f16_tiles(format);
+        let mut range = range;
+        if let Some(stored) = stored {
+            let eights = range.start + range.len() / 8 * 8;
+            let evens = m / 2 * 2;
+            let mut tiles = [[0f32; 8]; TILE_ROWS];
+            for r in (range.start..eights).step_by(8) {
+                let raw: [&[u8]; 8] = std::array::from_fn(|j| self.weight_row(r + j));
+                let next = self.rows_bytes(r + 8, (r + 16).min(eights));
+                let calls = evens.div_ceil(TILE_ROWS).max(1);
+                let mut ahead = next.chunks(next.len().div_ceil(calls).max(1));
+                for i in (0..evens).step_by(TILE_ROWS) {
+                    let n = TILE_ROWS.min(evens - i);
+                    let x = act_rows(acts.x, k, i, n);
+                    let ahead = ahead.next().unwrap_or_default();
+                    stored.tile8(raw, &x[..n], ahead, &mut tiles[..n]);
+                    for (a, v) in tiles[..n].iter().enumerate() {
+                        for (j, &v) in v.iter().enumerate() {
+                            put(i + a, r + j, v);
+                        }
+                    }
+                }
+                for i in evens..m {
+                    for (j, w) in raw.into_iter().enumerate() {
+                        put(i, r + j, dot(w, i));
+                    }
+                }
+            }
+            range.start = eights;
+        }
+        let quads = range.start + range.len() / 4 * 4;
         let widens = pairs.is_none() && stored.is_none();
         let scratch = aligned(scratch, if widens { 4 * k } else { 0 });
         let mut tiles = [[0f32; 4]; TILE_ROWS];
@@ -888,10 +929,7 @@ impl QuantMatrix {
                     }
                     pairs.tile(raw, &x[..n], ahead, &mut tiles[..n]);
                 } else {
-                    let mut x: [&[f32]; TILE_ROWS] = [&[]; TILE_ROWS];
-                    for (x, row) in x.iter_mut().zip(acts.x[i * k..(i + n) * k].chunks_exact(k)) {
-                        *x = row;
-                    }
+                    let x = act_rows(acts.x, k, i, n);
                     match stored {
                         Some(stored) => stored.tile(raw, &x[..n], ahead, &mut tiles[..n]),
                         None => kernel.tile(format, w, &x[..n], ahead, &mut tiles[..n]),
@@ -920,6 +958,15 @@ impl QuantMatrix {
             }
         }
     }
+}
+
+/// Rows `i..i + n` (at most [`TILE_ROWS`]) of the `k`-value rows in `x`, for a tile.
+fn act_rows(x: &[f32], k: usize, i: usize, n: usize) -> [&[f32]; TILE_ROWS] {
+    let mut rows: [&[f32]; TILE_ROWS] = [&[]; TILE_ROWS];
+    for (row, x) in rows.iter_mut().zip(x[i * k..(i + n) * k].chunks_exact(k)) {
+        *row = x;
+    }
+    rows
 }
 
 /// A task's activation rows as the kernels read them.

@@ -907,6 +907,21 @@ fn float_kernels_match_the_portable_code_bit_for_bit() {
                         tile.map(|r| r.map(f32::to_bits)),
                         "{format:?} {n}, {tier} tile on stored F16 rows"
                     );
+                    // Eight distinct rows against the activation rows two at a time: every
+                    // pair has its own dot product's bits.
+                    let more: Vec<Vec<u8>> = (4..8).map(|s| float_row(format, n, s).0).collect();
+                    let eight: [&[u8]; 8] =
+                        std::array::from_fn(|r| if r < 4 { stored[r] } else { &more[r - 4][..] });
+                    let mut wide = [[f32::NAN; 8]; 8];
+                    f16_tiles.tile8(eight, &acts, &[], &mut wide);
+                    for (a, got) in wide.iter().enumerate() {
+                        let want = eight.map(|w| kernel.dot(format, w, acts[a]).to_bits());
+                        assert_eq!(
+                            got.map(f32::to_bits),
+                            want,
+                            "{format:?} {n}, {tier} eight-row tile, activation row {a}"
+                        );
+                    }
                 }
             }
         }

@@ -553,23 +553,85 @@ pub(super) fn float_tile(
     let _ = cpu;
     float::tile_columns(w.map(<[f32]>::len), x, out.len(), 2);
     // SAFETY: `cpu` proves AVX2 and FMA; every row holds as many values as `x[0]`.
-    unsafe { float_tile_avx2(format, w, x, ahead, out) }
+    unsafe { float_tile_avx2(Widened(w, format), x, ahead, out) }
+}
+
+/// [`float_tile`] on four F16 weight rows as stored: each weight vector widened by
+/// `vcvtph2ps` as the tile loads it, so no widened copy of the rows is written and read
+/// back. The same values meet the same multiply-adds, so the same bits.
+pub(super) fn float_tile_f16(
+    cpu: Avx2,
+    w: [&[u8]; 4],
+    x: &[&[f32]],
+    ahead: &[u8],
+    out: &mut [[f32; 4]],
+) {
+    let _ = cpu;
+    float::tile_columns(w.map(|w| w.len() / 2), x, out.len(), 2);
+    // SAFETY: `cpu` proves AVX2, FMA and F16C; every row holds as many values as `x[0]`.
+    unsafe { float_tile_avx2(F16Rows(w), x, ahead, out) }
+}
+
+/// Where the tile's four weight rows come from.
+trait TileRows: Copy {
+    /// The format the rows' values were stored in (how the tail is summed).
+    fn format(self) -> FloatFormat;
+    /// Eight values of row `r` from value `i`, as f32.
+    ///
+    /// # Safety
+    /// Row `r` must hold eight values from `i` on, and the CPU must have AVX2 and F16C.
+    unsafe fn load(self, r: usize, i: usize) -> __m256;
+    /// Value `i` of row `r`, exactly.
+    fn at(self, r: usize, i: usize) -> f32;
+}
+
+/// Four weight rows widened to f32 beforehand, and the format they were stored in.
+#[derive(Clone, Copy)]
+struct Widened<'a>([&'a [f32]; 4], FloatFormat);
+
+/// Four F16 weight rows as stored.
+#[derive(Clone, Copy)]
+struct F16Rows<'a>([&'a [u8]; 4]);
+
+impl TileRows for Widened<'_> {
+    fn format(self) -> FloatFormat {
+        self.1
+    }
+
+    #[inline(always)]
+    unsafe fn load(self, r: usize, i: usize) -> __m256 {
+        // SAFETY: the caller guarantees eight values at `i` and AVX2.
+        unsafe { _mm256_loadu_ps(self.0[r].as_ptr().add(i)) }
+    }
+
+    fn at(self, r: usize, i: usize) -> f32 {
+        self.0[r][i]
+    }
+}
+
+impl TileRows for F16Rows<'_> {
+    fn format(self) -> FloatFormat {
+        FloatFormat::F16
+    }
+
+    #[inline(always)]
+    unsafe fn load(self, r: usize, i: usize) -> __m256 {
+        // SAFETY: the caller guarantees eight values at `i` and F16C.
+        unsafe { _mm256_cvtph_ps(_mm_loadu_si128(self.0[r].as_ptr().add(2 * i).cast())) }
+    }
+
+    fn at(self, r: usize, i: usize) -> f32 {
+        FloatFormat::F16.at(self.0[r], i)
+    }
 }
 
 /// # Safety
 /// Every row of `w` and `x` must hold `x[0].len()` values; `x` holds an even number of
 /// rows, at most [`float::TILE_ROWS`].
-#[target_feature(enable = "avx2,fma")]
-unsafe fn float_tile_avx2(
-    format: FloatFormat,
-    w: [&[f32]; 4],
-    x: &[&[f32]],
-    ahead: &[u8],
-    out: &mut [[f32; 4]],
-) {
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn float_tile_avx2<W: TileRows>(w: W, x: &[&[f32]], ahead: &[u8], out: &mut [[f32; 4]]) {
     let k = x[0].len();
     let whole = k / float::LANES * float::LANES;
-    let wp = [w[0].as_ptr(), w[1].as_ptr(), w[2].as_ptr(), w[3].as_ptr()];
     let pairs = x.len() / 2;
     // `part[p][e]`, `[a][r]` of it: eighth `e`'s partial sums of activation row `2p + a` by
     // weight row `r`, carried from one block of columns to the next.
@@ -592,12 +654,7 @@ unsafe fn float_tile_avx2(
                 while i < to {
                     // SAFETY: `i + 8 <= to <= whole <= k` values of every row.
                     unsafe {
-                        let wv = [
-                            _mm256_loadu_ps(wp[0].add(i)),
-                            _mm256_loadu_ps(wp[1].add(i)),
-                            _mm256_loadu_ps(wp[2].add(i)),
-                            _mm256_loadu_ps(wp[3].add(i)),
-                        ];
+                        let wv = [w.load(0, i), w.load(1, i), w.load(2, i), w.load(3, i)];
                         for (a, acc) in acc.iter_mut().enumerate() {
                             let xv = _mm256_loadu_ps(xp[a].add(i));
                             for (acc, wv) in acc.iter_mut().zip(wv) {
@@ -618,11 +675,8 @@ unsafe fn float_tile_avx2(
             let xa = x[2 * p + a];
             for r in 0..4 {
                 let folded = fold_float(std::array::from_fn(|e| part[e][a][r]));
-                let tail = w[r][whole..k]
-                    .iter()
-                    .copied()
-                    .zip(xa[whole..].iter().copied());
-                out[2 * p + a][r] = float::finish(format, folded, tail);
+                let tail = (whole..k).map(|i| (w.at(r, i), xa[i]));
+                out[2 * p + a][r] = float::finish(w.format(), folded, tail);
             }
         }
     }

@@ -199,6 +199,9 @@ impl PairTiles {
 /// weight vector as they load it.
 #[derive(Debug, Clone, Copy)]
 pub(crate) enum F16Tiles {
+    /// AVX2 with F16C (`vcvtph2ps` on each load).
+    #[cfg(target_arch = "x86_64")]
+    Avx2(cpu::Avx2),
     /// AVX-512 F (`vcvtph2ps` on each load).
     #[cfg(target_arch = "x86_64")]
     Avx512(cpu::Avx512),
@@ -212,6 +215,8 @@ impl F16Tiles {
         let _ = (w, x, ahead, &out);
         match self {
             #[cfg(target_arch = "x86_64")]
+            F16Tiles::Avx2(cpu) => super::avx2::float_tile_f16(cpu, w, x, ahead, out),
+            #[cfg(target_arch = "x86_64")]
             F16Tiles::Avx512(cpu) => super::avx512::float::tile_f16(cpu, w, x, ahead, out),
         }
     }
@@ -224,6 +229,21 @@ impl F16Tiles {
         match self {
             #[cfg(target_arch = "x86_64")]
             F16Tiles::Avx512(cpu) => super::avx512::float::tile8_f16(cpu, w, x, ahead, out),
+            // Sixteen registers hold no eight-by-two tile: the four-row tile on each half,
+            // each half fetching its share of `ahead`.
+            #[cfg(target_arch = "x86_64")]
+            F16Tiles::Avx2(cpu) => {
+                let (first, second) = ahead.split_at(ahead.len() / 2);
+                let mut quad = [[0f32; 4]; TILE_ROWS];
+                let n = x.len();
+                for (half, ahead) in [(0, first), (1, second)] {
+                    let rows = std::array::from_fn(|j| w[4 * half + j]);
+                    super::avx2::float_tile_f16(cpu, rows, x, ahead, &mut quad[..n]);
+                    for (out, quad) in out.iter_mut().zip(&quad[..n]) {
+                        out[4 * half..4 * half + 4].copy_from_slice(quad);
+                    }
+                }
+            }
         }
     }
 }
@@ -551,9 +571,12 @@ impl FloatKernel {
     }
 
     /// The tiles that read F16 weight rows as stored, if this kernel has them for `format`
-    /// (F16 on AVX-512): [`FloatKernel::tile`]'s results with no widened copy of the rows.
+    /// (F16 on AVX2 and AVX-512): [`FloatKernel::tile`]'s results with no widened copy of
+    /// the rows.
     pub(crate) fn f16_tiles(self, format: FloatFormat) -> Option<F16Tiles> {
         match self {
+            #[cfg(target_arch = "x86_64")]
+            FloatKernel::Avx2(cpu) if format == FloatFormat::F16 => Some(F16Tiles::Avx2(cpu)),
             #[cfg(target_arch = "x86_64")]
             FloatKernel::Avx512(cpu) if format == FloatFormat::F16 => Some(F16Tiles::Avx512(cpu)),
             #[cfg(target_arch = "x86_64")]
@@ -720,7 +743,7 @@ impl QuantMatrix {
     /// activation row), the activation rows for long prefills. With more than one
     /// activation row, each group of four weight rows is widened to f32 once and reused
     /// from cache for all of them (or read as stored by all of them: BF16 on the
-    /// `vdpbf16ps` tier, F16 on AVX-512, whose tile widens each vector as it loads it).
+    /// `vdpbf16ps` tier, F16 on AVX2 and AVX-512, whose tiles widen each vector as it loads it).
     pub(super) fn matmul_float(&self, format: FloatFormat, x: &[f32], m: usize) -> Buf {
         let mut kernel = FloatKernel::new(cpu::detect());
         // Several rows are read many times over by the tiles: written (as the format reads

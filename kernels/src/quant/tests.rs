@@ -800,7 +800,7 @@ fn float_kernels_match_the_portable_code_bit_for_bit() {
         .iter()
         .all(|(_, k)| k.f16_tiles(FloatFormat::F16).is_none())
     {
-        eprintln!("F16 tiles on stored rows not checked: no AVX-512 tier here (the CPU lacks it or FERRITE_CPU_TIER caps it)");
+        eprintln!("F16 tiles on stored rows not checked: no AVX2 or AVX-512 tier here (the CPU lacks them or FERRITE_CPU_TIER caps them)");
     }
     for format in [FloatFormat::F32, FloatFormat::F16, FloatFormat::BF16] {
         for n in [1, 63, 64, 100, 128, 200, 576, 1000, 2300, 4200] {

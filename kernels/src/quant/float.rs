@@ -195,44 +195,50 @@ impl PairTiles {
     }
 }
 
-/// The tiles that read F16 weight rows as stored ([`FloatKernel::f16_tiles`]), widening each
-/// weight vector as they load it.
+/// The tiles that read F16 or BF16 weight rows as stored ([`FloatKernel::stored_tiles`]),
+/// widening each weight vector as they load it.
 #[derive(Debug, Clone, Copy)]
-pub(crate) enum F16Tiles {
-    /// AVX2 with F16C (`vcvtph2ps` on each load).
+pub(crate) enum StoredTiles {
+    /// AVX2 with F16C, for F16. (BF16 rows read as stored, in pair order, were slower here
+    /// than the widened copy: random 1.1B BF16 prompt processing of 512 tokens in the AVX2
+    /// build, 76–85 tok/s against 93–95.)
     #[cfg(target_arch = "x86_64")]
     Avx2(cpu::Avx2),
-    /// AVX-512 F (`vcvtph2ps` on each load).
+    /// AVX-512 F, for this format.
     #[cfg(target_arch = "x86_64")]
-    Avx512(cpu::Avx512),
+    Avx512(cpu::Avx512, FloatFormat),
 }
 
-impl F16Tiles {
-    /// Four F16 weight rows as stored against activation rows `x` (a multiple of four, at
-    /// most [`TILE_ROWS`]): `out[a][r]`, each [`FloatKernel::tile`]'s result on the rows
-    /// widened. `ahead`'s cache lines are fetched while it computes.
+impl StoredTiles {
+    /// Four weight rows as stored against activation rows `x` (a multiple of four, at most
+    /// [`TILE_ROWS`]): `out[a][r]`, each [`FloatKernel::tile`]'s result on the rows widened.
+    /// `ahead`'s cache lines are fetched while it computes.
     pub(crate) fn tile(self, w: [&[u8]; 4], x: &[&[f32]], ahead: &[u8], out: &mut [[f32; 4]]) {
         let _ = (w, x, ahead, &out);
         match self {
             #[cfg(target_arch = "x86_64")]
-            F16Tiles::Avx2(cpu) => super::avx2::float_tile_f16(cpu, w, x, ahead, out),
+            StoredTiles::Avx2(cpu) => super::avx2::float_tile_f16(cpu, w, x, ahead, out),
             #[cfg(target_arch = "x86_64")]
-            F16Tiles::Avx512(cpu) => super::avx512::float::tile_f16(cpu, w, x, ahead, out),
+            StoredTiles::Avx512(cpu, format) => {
+                super::avx512::float::tile_stored(cpu, format, w, x, ahead, out)
+            }
         }
     }
 
-    /// Eight F16 weight rows as stored against activation rows `x` (a multiple of two, at
-    /// most [`TILE_ROWS`]): `out[a][r]`, each [`FloatKernel::dot`]'s result. `ahead`'s
-    /// cache lines are fetched while it computes.
+    /// Eight weight rows as stored against activation rows `x` (a multiple of two, at most
+    /// [`TILE_ROWS`]): `out[a][r]`, each [`FloatKernel::dot`]'s result. `ahead`'s cache
+    /// lines are fetched while it computes.
     pub(crate) fn tile8(self, w: [&[u8]; 8], x: &[&[f32]], ahead: &[u8], out: &mut [[f32; 8]]) {
         let _ = (w, x, ahead, &out);
         match self {
             #[cfg(target_arch = "x86_64")]
-            F16Tiles::Avx512(cpu) => super::avx512::float::tile8_f16(cpu, w, x, ahead, out),
+            StoredTiles::Avx512(cpu, format) => {
+                super::avx512::float::tile8_stored(cpu, format, w, x, ahead, out)
+            }
             // Sixteen registers hold no eight-by-two tile: the four-row tile on each half,
             // each half fetching its share of `ahead`.
             #[cfg(target_arch = "x86_64")]
-            F16Tiles::Avx2(cpu) => {
+            StoredTiles::Avx2(cpu) => {
                 let (first, second) = ahead.split_at(ahead.len() / 2);
                 let mut quad = [[0f32; 4]; TILE_ROWS];
                 let n = x.len();
@@ -570,23 +576,22 @@ impl FloatKernel {
         }
     }
 
-    /// The tiles that read F16 weight rows as stored, if this kernel has them for `format`
-    /// (F16 on AVX2 and AVX-512): [`FloatKernel::tile`]'s results with no widened copy of
-    /// the rows.
-    pub(crate) fn f16_tiles(self, format: FloatFormat) -> Option<F16Tiles> {
+    /// The tiles that read F16 or BF16 weight rows as stored, if this kernel has them for
+    /// `format` (F16 on AVX2; F16 and BF16 on AVX-512, BF16 only where no `vdpbf16ps` tile,
+    /// [`FloatKernel::pair_tiles`], takes it): [`FloatKernel::tile`]'s results with no
+    /// widened copy of the rows.
+    pub(crate) fn stored_tiles(self, format: FloatFormat) -> Option<StoredTiles> {
+        if format == FloatFormat::F32 || self.pair_tiles(format).is_some() {
+            return None;
+        }
         match self {
             #[cfg(target_arch = "x86_64")]
-            FloatKernel::Avx2(cpu) if format == FloatFormat::F16 => Some(F16Tiles::Avx2(cpu)),
+            FloatKernel::Avx2(cpu) if format == FloatFormat::F16 => Some(StoredTiles::Avx2(cpu)),
             #[cfg(target_arch = "x86_64")]
-            FloatKernel::Avx512(cpu) if format == FloatFormat::F16 => Some(F16Tiles::Avx512(cpu)),
+            FloatKernel::Avx512(cpu) => Some(StoredTiles::Avx512(cpu, format)),
             #[cfg(target_arch = "x86_64")]
-            FloatKernel::Avx512Bf16(cpu) if format == FloatFormat::F16 => {
-                Some(F16Tiles::Avx512(cpu.avx512()))
-            }
-            _ => {
-                let _ = format;
-                None
-            }
+            FloatKernel::Avx512Bf16(cpu) => Some(StoredTiles::Avx512(cpu.avx512(), format)),
+            _ => None,
         }
     }
 
@@ -741,9 +746,10 @@ impl QuantMatrix {
     /// [`QuantMatrix::matmul`] for floating-point weights: the weight rows split among the
     /// threads for decode steps and short prefills (each row read once for every
     /// activation row), the activation rows for long prefills. With more than one
-    /// activation row, each group of four weight rows is widened to f32 once and reused
-    /// from cache for all of them (or read as stored by all of them: BF16 on the
-    /// `vdpbf16ps` tier, F16 on AVX2 and AVX-512, whose tiles widen each vector as it loads it).
+    /// activation row, each group of four weight rows is read as stored by all of them
+    /// (BF16 by `vdpbf16ps`; F16 on AVX2 and AVX-512 and BF16 on AVX-512 by tiles that
+    /// widen each vector as they load it, eight rows at a time on AVX-512), or elsewhere
+    /// widened to f32 once and reused from cache for all of them.
     pub(super) fn matmul_float(&self, format: FloatFormat, x: &[f32], m: usize) -> Buf {
         let mut kernel = FloatKernel::new(cpu::detect());
         // Several rows are read many times over by the tiles: written (as the format reads
@@ -887,9 +893,9 @@ impl QuantMatrix {
             }
             return;
         }
-        // F16 rows are widened as the tile loads them where it can, with no copy: eight rows
-        // at a time against activation rows in pairs, then four at a time.
-        let stored = kernel.f16_tiles(format);
+        // F16 and BF16 rows are widened as the tile loads them where it can, with no copy:
+        // eight rows at a time against activation rows in pairs, then four at a time.
+        let stored = kernel.stored_tiles(format);
         let mut range = range;
         if let Some(stored) = stored {
             let eights = range.start + range.len() / 8 * 8;

@@ -798,9 +798,9 @@ fn float_kernels_match_the_portable_code_bit_for_bit() {
     }
     if kernels
         .iter()
-        .all(|(_, k)| k.f16_tiles(FloatFormat::F16).is_none())
+        .all(|(_, k)| k.stored_tiles(FloatFormat::F16).is_none())
     {
-        eprintln!("F16 tiles on stored rows not checked: no AVX2 or AVX-512 tier here (the CPU lacks them or FERRITE_CPU_TIER caps them)");
+        eprintln!("tiles on stored F16 and BF16 rows not checked: no AVX2 or AVX-512 tier here (the CPU lacks them or FERRITE_CPU_TIER caps them)");
     }
     for format in [FloatFormat::F32, FloatFormat::F16, FloatFormat::BF16] {
         for n in [1, 63, 64, 100, 128, 200, 576, 1000, 2300, 4200] {
@@ -897,15 +897,15 @@ fn float_kernels_match_the_portable_code_bit_for_bit() {
                 if let Some(pairs) = kernel.pair_tiles(format) {
                     assert_bf16_tile(pairs, &rows, &raw_x);
                 }
-                if let Some(f16_tiles) = kernel.f16_tiles(format) {
-                    // F16 rows as stored, widened as the tile loads them: the same bits.
+                if let Some(stored_tiles) = kernel.stored_tiles(format) {
+                    // Rows as stored, widened as the tile loads them: the same bits.
                     let stored = [0, 1, 2, 3].map(|r| &rows[r].0[..]);
                     let mut direct = [[f32::NAN; 4]; 8];
-                    f16_tiles.tile(stored, &acts, &[], &mut direct);
+                    stored_tiles.tile(stored, &acts, &[], &mut direct);
                     assert_eq!(
                         direct.map(|r| r.map(f32::to_bits)),
                         tile.map(|r| r.map(f32::to_bits)),
-                        "{format:?} {n}, {tier} tile on stored F16 rows"
+                        "{format:?} {n}, {tier} tile on stored rows"
                     );
                     // Eight distinct rows against the activation rows two at a time: every
                     // pair has its own dot product's bits.
@@ -913,7 +913,7 @@ fn float_kernels_match_the_portable_code_bit_for_bit() {
                     let eight: [&[u8]; 8] =
                         std::array::from_fn(|r| if r < 4 { stored[r] } else { &more[r - 4][..] });
                     let mut wide = [[f32::NAN; 8]; 8];
-                    f16_tiles.tile8(eight, &acts, &[], &mut wide);
+                    stored_tiles.tile8(eight, &acts, &[], &mut wide);
                     for (a, got) in wide.iter().enumerate() {
                         let want = eight.map(|w| kernel.dot(format, w, acts[a]).to_bits());
                         assert_eq!(

@@ -257,40 +257,66 @@ pub(crate) fn tile(
     unsafe { tile_avx512::<_, 4, 4>(Widened(w, format), x, ahead, BLOCK, out) }
 }
 
-/// [`tile`] on four F16 weight rows as stored: each weight vector widened by `vcvtph2ps`
-/// as the tile loads it, so no widened copy of the rows is written and read back. The same
-/// values meet the same multiply-adds, so the same bits.
-pub(crate) fn tile_f16(
+/// [`tile`] on four F16 or BF16 (`format`) weight rows as stored: each weight vector
+/// widened as the tile loads it (F16 by `vcvtph2ps`, BF16 by a shift or a mask, in pair
+/// order), so no widened copy of the rows is written and read back. The same values meet
+/// the same multiply-adds, so the same bits.
+pub(crate) fn tile_stored(
     cpu: Avx512,
+    format: FloatFormat,
     w: [&[u8]; 4],
     x: &[&[f32]],
     ahead: &[u8],
     out: &mut [[f32; 4]],
 ) {
     let _ = cpu;
-    tile_columns(w.map(|w| w.len() / 2), x, out.len(), 4);
+    let k = tile_columns(w.map(|w| w.len() / 2), x, out.len(), 4);
     // SAFETY: `cpu` proves AVX-512 F; every row holds as many values as `x[0]`.
-    unsafe { tile_avx512::<_, 4, 4>(F16Rows(w), x, ahead, BLOCK, out) }
+    unsafe {
+        match format {
+            FloatFormat::BF16 => {
+                let rows = Bf16Rows {
+                    rows: w,
+                    paired: format.paired_columns(k),
+                };
+                tile_avx512::<_, 4, 4>(rows, x, ahead, BLOCK, out)
+            }
+            _ => tile_avx512::<_, 4, 4>(F16Rows(w), x, ahead, BLOCK, out),
+        }
+    }
 }
 
-/// Eight F16 weight rows as stored against activation rows `x` (a multiple of two, at most
-/// [`TILE_ROWS`]): `out[a][r]`, each [`dot`]'s result. [`tile_f16`]'s passes with the
-/// sixteen accumulators shared the other way, eight weight rows by two activation rows:
-/// each activation vector, read from L2, meets eight weight rows rather than four, and each
-/// weight vector, read from L1 after the first pass, two activation rows rather than four.
-/// Zen 5, 2 threads, random 1.1B F16 prompt processing, four alternating pairs: 1024
-/// tokens 131–135 → 139–142 tok/s, 512 tokens 147–150 → 150–155.
-pub(crate) fn tile8_f16(
+/// Eight F16 or BF16 (`format`) weight rows as stored against activation rows `x` (a
+/// multiple of two, at most [`TILE_ROWS`]): `out[a][r]`, each [`dot`]'s result.
+/// [`tile_stored`]'s passes with the sixteen accumulators shared the other way, eight
+/// weight rows by two activation rows: each activation vector, read from L2, meets eight
+/// weight rows rather than four, and each weight vector, read from L1 after the first pass,
+/// two activation rows rather than four. Zen 5, 2 threads, random 1.1B F16 prompt
+/// processing, four alternating pairs: 1024 tokens 131–135 → 139–142 tok/s, 512 tokens
+/// 147–150 → 150–155.
+pub(crate) fn tile8_stored(
     cpu: Avx512,
+    format: FloatFormat,
     w: [&[u8]; 8],
     x: &[&[f32]],
     ahead: &[u8],
     out: &mut [[f32; 8]],
 ) {
     let _ = cpu;
-    tile_columns(w.map(|w| w.len() / 2), x, out.len(), 2);
+    let k = tile_columns(w.map(|w| w.len() / 2), x, out.len(), 2);
     // SAFETY: `cpu` proves AVX-512 F; every row holds as many values as `x[0]`.
-    unsafe { tile_avx512::<_, 8, 2>(F16Rows(w), x, ahead, BLOCK8, out) }
+    unsafe {
+        match format {
+            FloatFormat::BF16 => {
+                let rows = Bf16Rows {
+                    rows: w,
+                    paired: format.paired_columns(k),
+                };
+                tile_avx512::<_, 8, 2>(rows, x, ahead, BLOCK8, out)
+            }
+            _ => tile_avx512::<_, 8, 2>(F16Rows(w), x, ahead, BLOCK8, out),
+        }
+    }
 }
 
 /// Where a tile's weight rows come from.
@@ -313,6 +339,14 @@ struct Widened<'a>([&'a [f32]; 4], FloatFormat);
 /// `R` F16 weight rows as stored.
 #[derive(Clone, Copy)]
 struct F16Rows<'a, const R: usize>([&'a [u8]; R]);
+
+/// `R` BF16 weight rows as stored, read in pair order up to column `paired` (as
+/// [`widen_paired`] writes them) and in column order from there.
+#[derive(Clone, Copy)]
+struct Bf16Rows<'a, const R: usize> {
+    rows: [&'a [u8]; R],
+    paired: usize,
+}
 
 impl TileRows for Widened<'_> {
     fn format(self) -> FloatFormat {
@@ -343,6 +377,38 @@ impl<const R: usize> TileRows for F16Rows<'_, R> {
 
     fn at(self, r: usize, i: usize) -> f32 {
         FloatFormat::F16.at(self.0[r], i)
+    }
+}
+
+impl<const R: usize> TileRows for Bf16Rows<'_, R> {
+    fn format(self) -> FloatFormat {
+        FloatFormat::BF16
+    }
+
+    #[inline(always)]
+    unsafe fn load(self, r: usize, i: usize) -> __m512 {
+        let w = self.rows[r].as_ptr();
+        if i < self.paired {
+            // Lanes `off .. off + 16` of a pair-order block: the odd (first half) or the
+            // even (second half) values of the sixteen column pairs from `b + 2 (off % 64)`.
+            let b = i / PAIR_BLOCK * PAIR_BLOCK;
+            let off = i - b;
+            // SAFETY: the caller guarantees the row's values to `i + 16`, so the whole
+            // pair-order block holding `i`, and AVX-512 F.
+            let (odd, even) = unsafe { load_pairs(w.add(2 * (b + 2 * (off % LANES)))) };
+            if off < LANES {
+                odd
+            } else {
+                even
+            }
+        } else {
+            // SAFETY: the caller guarantees sixteen values at `i` and AVX-512 F.
+            unsafe { load(FloatFormat::BF16, w, i) }
+        }
+    }
+
+    fn at(self, r: usize, i: usize) -> f32 {
+        FloatFormat::BF16.at(self.rows[r], i)
     }
 }
 

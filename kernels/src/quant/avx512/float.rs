@@ -270,20 +270,9 @@ pub(crate) fn tile_stored(
     out: &mut [[f32; 4]],
 ) {
     let _ = cpu;
-    let k = tile_columns(w.map(|w| w.len() / 2), x, out.len(), 4);
+    tile_columns(w.map(|w| w.len() / 2), x, out.len(), 4);
     // SAFETY: `cpu` proves AVX-512 F; every row holds as many values as `x[0]`.
-    unsafe {
-        match format {
-            FloatFormat::BF16 => {
-                let rows = Bf16Rows {
-                    rows: w,
-                    paired: format.paired_columns(k),
-                };
-                tile_avx512::<_, 4, 4>(rows, x, ahead, BLOCK, out)
-            }
-            _ => tile_avx512::<_, 4, 4>(F16Rows(w), x, ahead, BLOCK, out),
-        }
-    }
+    unsafe { tile_rows_stored::<4, 4>(format, w, x, ahead, BLOCK, out) }
 }
 
 /// Eight F16 or BF16 (`format`) weight rows as stored against activation rows `x` (a
@@ -303,18 +292,33 @@ pub(crate) fn tile8_stored(
     out: &mut [[f32; 8]],
 ) {
     let _ = cpu;
-    let k = tile_columns(w.map(|w| w.len() / 2), x, out.len(), 2);
+    tile_columns(w.map(|w| w.len() / 2), x, out.len(), 2);
     // SAFETY: `cpu` proves AVX-512 F; every row holds as many values as `x[0]`.
+    unsafe { tile_rows_stored::<8, 2>(format, w, x, ahead, BLOCK8, out) }
+}
+
+/// [`tile_avx512`] on `R` F16 or BF16 (`format`) weight rows as stored.
+///
+/// # Safety
+/// As [`tile_avx512`]'s.
+#[target_feature(enable = "avx512f")]
+unsafe fn tile_rows_stored<const R: usize, const A: usize>(
+    format: FloatFormat,
+    w: [&[u8]; R],
+    x: &[&[f32]],
+    ahead: &[u8],
+    block: usize,
+    out: &mut [[f32; R]],
+) {
+    // SAFETY: as the caller guarantees.
     unsafe {
         match format {
             FloatFormat::BF16 => {
-                let rows = Bf16Rows {
-                    rows: w,
-                    paired: format.paired_columns(k),
-                };
-                tile_avx512::<_, 8, 2>(rows, x, ahead, BLOCK8, out)
+                let paired = format.paired_columns(x[0].len());
+                let rows = Bf16Rows { rows: w, paired };
+                tile_avx512::<_, R, A>(rows, x, ahead, block, out)
             }
-            _ => tile_avx512::<_, 8, 2>(F16Rows(w), x, ahead, BLOCK8, out),
+            _ => tile_avx512::<_, R, A>(F16Rows(w), x, ahead, block, out),
         }
     }
 }

@@ -225,7 +225,20 @@ impl StoredTiles {
         }
     }
 
-    /// Eight weight rows as stored against activation rows `x` (a multiple of two, at most
+    /// The activation rows [`StoredTiles::tile8`] is best given at a time: a multiple of
+    /// the rows its register tile takes per pass (three for F16 on AVX-512, otherwise two).
+    pub(crate) fn eight_row_activations(self) -> usize {
+        match self {
+            #[cfg(target_arch = "x86_64")]
+            StoredTiles::Avx512(_, FloatFormat::BF16) => TILE_ROWS,
+            #[cfg(target_arch = "x86_64")]
+            StoredTiles::Avx512(..) => TILE_ROWS / 3 * 3,
+            #[cfg(target_arch = "x86_64")]
+            StoredTiles::Avx2(_) => TILE_ROWS,
+        }
+    }
+
+    /// Eight weight rows as stored against activation rows `x` (any number, at most
     /// [`TILE_ROWS`]): `out[a][r]`, each [`FloatKernel::dot`]'s result. `ahead`'s cache
     /// lines are fetched while it computes.
     pub(crate) fn tile8(self, w: [&[u8]; 8], x: &[&[f32]], ahead: &[u8], out: &mut [[f32; 8]]) {
@@ -235,19 +248,26 @@ impl StoredTiles {
             StoredTiles::Avx512(cpu, format) => {
                 super::avx512::float::tile8_stored(cpu, format, w, x, ahead, out)
             }
-            // Sixteen registers hold no eight-by-two tile: the four-row tile on each half,
-            // each half fetching its share of `ahead`.
+            // Sixteen registers hold no wider tile: the four-row tile (two activation rows
+            // at a time) on each half, each half fetching its share of `ahead`; an odd last
+            // activation row by dot products.
             #[cfg(target_arch = "x86_64")]
             StoredTiles::Avx2(cpu) => {
                 let (first, second) = ahead.split_at(ahead.len() / 2);
                 let mut quad = [[0f32; 4]; TILE_ROWS];
-                let n = x.len();
+                let n = x.len() / 2 * 2;
                 for (half, ahead) in [(0, first), (1, second)] {
+                    if n == 0 {
+                        break;
+                    }
                     let rows = std::array::from_fn(|j| w[4 * half + j]);
-                    super::avx2::float_tile_f16(cpu, rows, x, ahead, &mut quad[..n]);
+                    super::avx2::float_tile_f16(cpu, rows, &x[..n], ahead, &mut quad[..n]);
                     for (out, quad) in out.iter_mut().zip(&quad[..n]) {
                         out[4 * half..4 * half + 4].copy_from_slice(quad);
                     }
+                }
+                for (x, out) in x.iter().zip(out.iter_mut()).skip(n) {
+                    *out = w.map(|w| super::avx2::float_dot(cpu, FloatFormat::F16, w, x));
                 }
             }
         }
@@ -899,15 +919,15 @@ impl QuantMatrix {
         let mut range = range;
         if let Some(stored) = stored {
             let eights = range.start + range.len() / 8 * 8;
-            let evens = m / 2 * 2;
+            let per_call = stored.eight_row_activations();
             let mut tiles = [[0f32; 8]; TILE_ROWS];
             for r in (range.start..eights).step_by(8) {
                 let raw: [&[u8]; 8] = std::array::from_fn(|j| self.weight_row(r + j));
                 let next = self.rows_bytes(r + 8, (r + 16).min(eights));
-                let calls = evens.div_ceil(TILE_ROWS).max(1);
+                let calls = m.div_ceil(per_call);
                 let mut ahead = next.chunks(next.len().div_ceil(calls).max(1));
-                for i in (0..evens).step_by(TILE_ROWS) {
-                    let n = TILE_ROWS.min(evens - i);
+                for i in (0..m).step_by(per_call) {
+                    let n = per_call.min(m - i);
                     let x = act_rows(acts.x, k, i, n);
                     let ahead = ahead.next().unwrap_or_default();
                     stored.tile8(raw, &x[..n], ahead, &mut tiles[..n]);
@@ -915,11 +935,6 @@ impl QuantMatrix {
                         for (j, &v) in v.iter().enumerate() {
                             put(i + a, r + j, v);
                         }
-                    }
-                }
-                for i in evens..m {
-                    for (j, w) in raw.into_iter().enumerate() {
-                        put(i, r + j, dot(w, i));
                     }
                 }
             }

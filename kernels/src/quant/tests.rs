@@ -912,15 +912,19 @@ fn float_kernels_match_the_portable_code_bit_for_bit() {
                     let more: Vec<Vec<u8>> = (4..8).map(|s| float_row(format, n, s).0).collect();
                     let eight: [&[u8]; 8] =
                         std::array::from_fn(|r| if r < 4 { stored[r] } else { &more[r - 4][..] });
-                    let mut wide = [[f32::NAN; 8]; 8];
-                    stored_tiles.tile8(eight, &acts, &[], &mut wide);
-                    for (a, got) in wide.iter().enumerate() {
-                        let want = eight.map(|w| kernel.dot(format, w, acts[a]).to_bits());
-                        assert_eq!(
-                            got.map(f32::to_bits),
-                            want,
-                            "{format:?} {n}, {tier} eight-row tile, activation row {a}"
-                        );
+                    // Every count of activation rows up to eight: whole register tiles, and
+                    // the one or two rows left over.
+                    for rows in 1..=acts.len() {
+                        let mut wide = [[f32::NAN; 8]; 8];
+                        stored_tiles.tile8(eight, &acts[..rows], &[], &mut wide[..rows]);
+                        for (a, got) in wide[..rows].iter().enumerate() {
+                            let want = eight.map(|w| kernel.dot(format, w, acts[a]).to_bits());
+                            assert_eq!(
+                                got.map(f32::to_bits),
+                                want,
+                                "{format:?} {n}, {tier} eight-row tile of {rows}, activation row {a}"
+                            );
+                        }
                     }
                 }
             }

@@ -275,14 +275,16 @@ pub(crate) fn tile_stored(
     unsafe { tile_rows_stored::<4, 4>(format, w, x, ahead, BLOCK, out) }
 }
 
-/// Eight F16 or BF16 (`format`) weight rows as stored against activation rows `x` (a
-/// multiple of two, at most [`TILE_ROWS`]): `out[a][r]`, each [`dot`]'s result.
-/// [`tile_stored`]'s passes with the sixteen accumulators shared the other way, eight
-/// weight rows by two activation rows: each activation vector, read from L2, meets eight
-/// weight rows rather than four, and each weight vector, read from L1 after the first pass,
-/// two activation rows rather than four. Zen 5, 2 threads, random 1.1B F16 prompt
-/// processing, four alternating pairs: 1024 tokens 131–135 → 139–142 tok/s, 512 tokens
-/// 147–150 → 150–155.
+/// Eight F16 or BF16 (`format`) weight rows as stored against activation rows `x` (any
+/// number, at most [`TILE_ROWS`]): `out[a][r]`, each [`dot`]'s result. [`tile_stored`]'s
+/// passes with the accumulators shared the other way: eight weight rows by three
+/// activation rows (24 accumulators) for F16, by two for BF16, the last one or two rows by
+/// themselves. Each activation vector, read from L2, meets eight weight rows rather than
+/// four. Zen 5, 2 threads, random 1.1B F16 prompt processing of 1024 tokens, alternating:
+/// eight by two against four by four 131–135 → 139–142 tok/s (four pairs; 512 tokens
+/// 147–150 → 150–155), eight by three against eight by two 138–147 → 146–149 (seven
+/// pairs, one even). BF16, whose pair-order loads take more registers, was slower by
+/// three (capped to `avx512-vnni`, 512 tokens: 127–134 against 139–140).
 pub(crate) fn tile8_stored(
     cpu: Avx512,
     format: FloatFormat,
@@ -292,9 +294,45 @@ pub(crate) fn tile8_stored(
     out: &mut [[f32; 8]],
 ) {
     let _ = cpu;
-    tile_columns(w.map(|w| w.len() / 2), x, out.len(), 2);
+    tile_columns(w.map(|w| w.len() / 2), x, out.len(), 1);
     // SAFETY: `cpu` proves AVX-512 F; every row holds as many values as `x[0]`.
-    unsafe { tile_rows_stored::<8, 2>(format, w, x, ahead, BLOCK8, out) }
+    unsafe {
+        match format {
+            FloatFormat::BF16 => tile8_groups::<2>(format, w, x, ahead, out),
+            _ => tile8_groups::<3>(format, w, x, ahead, out),
+        }
+    }
+}
+
+/// [`tile8_stored`] with activation rows `A` at a time, then the one or two left over.
+///
+/// # Safety
+/// The CPU must have AVX-512 F; every row of `w` and `x` must hold `x[0].len()` values; `x`
+/// holds at most [`TILE_ROWS`] rows, `A` is two or three.
+#[target_feature(enable = "avx512f")]
+unsafe fn tile8_groups<const A: usize>(
+    format: FloatFormat,
+    w: [&[u8]; 8],
+    x: &[&[f32]],
+    ahead: &[u8],
+    out: &mut [[f32; 8]],
+) {
+    let whole = x.len() / A * A;
+    let (x, rest) = x.split_at(whole);
+    let (out, out_rest) = out.split_at_mut(whole);
+    let (ahead, ahead_rest) = ahead.split_at(ahead.len() * whole / (whole + rest.len()).max(1));
+    // SAFETY: as the caller guarantees; at most eight groups of `A` rows, and one group of
+    // the one or two left.
+    unsafe {
+        if !x.is_empty() {
+            tile_rows_stored::<8, A>(format, w, x, ahead, BLOCK8, out);
+        }
+        match rest.len() {
+            2 => tile_rows_stored::<8, 2>(format, w, rest, ahead_rest, BLOCK8, out_rest),
+            1 => tile_rows_stored::<8, 1>(format, w, rest, ahead_rest, BLOCK8, out_rest),
+            _ => {}
+        }
+    }
 }
 
 /// [`tile_avx512`] on `R` F16 or BF16 (`format`) weight rows as stored.
@@ -417,11 +455,11 @@ impl<const R: usize> TileRows for Bf16Rows<'_, R> {
 }
 
 /// `R` weight rows (a multiple of four) against activation rows `x`, `A` at a time
-/// (`R · A` accumulators, at most sixteen), in blocks of `block` columns.
+/// (`R · A` accumulators, at most 24), in blocks of `block` columns.
 ///
 /// # Safety
 /// Every row of `w` and `x` must hold `x[0].len()` values; `x` holds a multiple of `A`
-/// rows, at most [`TILE_ROWS`]; `A` is at least two.
+/// rows, at most [`TILE_ROWS`], and at most `TILE_ROWS / 2` groups of `A`.
 #[target_feature(enable = "avx512f")]
 unsafe fn tile_avx512<W: TileRows, const R: usize, const A: usize>(
     w: W,

@@ -225,50 +225,48 @@ impl StoredTiles {
         }
     }
 
-    /// The activation rows [`StoredTiles::tile8`] is best given at a time: a multiple of
-    /// the rows its register tile takes per pass (three for F16 on AVX-512, otherwise two).
-    pub(crate) fn eight_row_activations(self) -> usize {
+    /// The eight-row tiles, where this tier has a register file for them (AVX-512; AVX2's
+    /// sixteen registers hold no tile wider than [`StoredTiles::tile`]'s).
+    pub(crate) fn eight_rows(self) -> Option<EightRowTiles> {
         match self {
             #[cfg(target_arch = "x86_64")]
-            StoredTiles::Avx512(_, FloatFormat::BF16) => TILE_ROWS,
+            StoredTiles::Avx512(cpu, format) => Some(EightRowTiles::Avx512(cpu, format)),
             #[cfg(target_arch = "x86_64")]
-            StoredTiles::Avx512(..) => TILE_ROWS / 3 * 3,
+            StoredTiles::Avx2(_) => None,
+        }
+    }
+}
+
+/// The tiles that read eight F16 or BF16 weight rows as stored
+/// ([`StoredTiles::eight_rows`]).
+#[derive(Debug, Clone, Copy)]
+pub(crate) enum EightRowTiles {
+    /// AVX-512 F, for this format.
+    #[cfg(target_arch = "x86_64")]
+    Avx512(cpu::Avx512, FloatFormat),
+}
+
+impl EightRowTiles {
+    /// The activation rows [`EightRowTiles::tile`] is best given at a time: a multiple of
+    /// the rows its register tile takes per pass (three for F16, two for BF16).
+    pub(crate) fn activations_per_call(self) -> usize {
+        match self {
             #[cfg(target_arch = "x86_64")]
-            StoredTiles::Avx2(_) => TILE_ROWS,
+            EightRowTiles::Avx512(_, FloatFormat::BF16) => TILE_ROWS,
+            #[cfg(target_arch = "x86_64")]
+            EightRowTiles::Avx512(..) => TILE_ROWS / 3 * 3,
         }
     }
 
     /// Eight weight rows as stored against activation rows `x` (any number, at most
     /// [`TILE_ROWS`]): `out[a][r]`, each [`FloatKernel::dot`]'s result. `ahead`'s cache
     /// lines are fetched while it computes.
-    pub(crate) fn tile8(self, w: [&[u8]; 8], x: &[&[f32]], ahead: &[u8], out: &mut [[f32; 8]]) {
+    pub(crate) fn tile(self, w: [&[u8]; 8], x: &[&[f32]], ahead: &[u8], out: &mut [[f32; 8]]) {
         let _ = (w, x, ahead, &out);
         match self {
             #[cfg(target_arch = "x86_64")]
-            StoredTiles::Avx512(cpu, format) => {
+            EightRowTiles::Avx512(cpu, format) => {
                 super::avx512::float::tile8_stored(cpu, format, w, x, ahead, out)
-            }
-            // Sixteen registers hold no wider tile: the four-row tile (two activation rows
-            // at a time) on each half, each half fetching its share of `ahead`; an odd last
-            // activation row by dot products.
-            #[cfg(target_arch = "x86_64")]
-            StoredTiles::Avx2(cpu) => {
-                let (first, second) = ahead.split_at(ahead.len() / 2);
-                let mut quad = [[0f32; 4]; TILE_ROWS];
-                let n = x.len() / 2 * 2;
-                for (half, ahead) in [(0, first), (1, second)] {
-                    if n == 0 {
-                        break;
-                    }
-                    let rows = std::array::from_fn(|j| w[4 * half + j]);
-                    super::avx2::float_tile_f16(cpu, rows, &x[..n], ahead, &mut quad[..n]);
-                    for (out, quad) in out.iter_mut().zip(&quad[..n]) {
-                        out[4 * half..4 * half + 4].copy_from_slice(quad);
-                    }
-                }
-                for (x, out) in x.iter().zip(out.iter_mut()).skip(n) {
-                    *out = w.map(|w| super::avx2::float_dot(cpu, FloatFormat::F16, w, x));
-                }
             }
         }
     }
@@ -914,12 +912,12 @@ impl QuantMatrix {
             return;
         }
         // F16 and BF16 rows are widened as the tile loads them where it can, with no copy:
-        // eight rows at a time against activation rows in pairs, then four at a time.
+        // eight rows at a time where the tier has registers for it, then four at a time.
         let stored = kernel.stored_tiles(format);
         let mut range = range;
-        if let Some(stored) = stored {
+        if let Some(eight) = stored.and_then(StoredTiles::eight_rows) {
             let eights = range.start + range.len() / 8 * 8;
-            let per_call = stored.eight_row_activations();
+            let per_call = eight.activations_per_call();
             let mut tiles = [[0f32; 8]; TILE_ROWS];
             for r in (range.start..eights).step_by(8) {
                 let raw: [&[u8]; 8] = std::array::from_fn(|j| self.weight_row(r + j));
@@ -930,7 +928,7 @@ impl QuantMatrix {
                     let n = per_call.min(m - i);
                     let x = act_rows(acts.x, k, i, n);
                     let ahead = ahead.next().unwrap_or_default();
-                    stored.tile8(raw, &x[..n], ahead, &mut tiles[..n]);
+                    eight.tile(raw, &x[..n], ahead, &mut tiles[..n]);
                     for (a, v) in tiles[..n].iter().enumerate() {
                         for (j, &v) in v.iter().enumerate() {
                             put(i + a, r + j, v);

@@ -907,23 +907,34 @@ fn float_kernels_match_the_portable_code_bit_for_bit() {
                         tile.map(|r| r.map(f32::to_bits)),
                         "{format:?} {n}, {tier} tile on stored rows"
                     );
-                    // Eight distinct rows against the activation rows two at a time: every
-                    // pair has its own dot product's bits.
-                    let more: Vec<Vec<u8>> = (4..8).map(|s| float_row(format, n, s).0).collect();
-                    let eight: [&[u8]; 8] =
-                        std::array::from_fn(|r| if r < 4 { stored[r] } else { &more[r - 4][..] });
-                    // Every count of activation rows up to eight: whole register tiles, and
-                    // the one or two rows left over.
-                    for rows in 1..=acts.len() {
-                        let mut wide = [[f32::NAN; 8]; 8];
-                        stored_tiles.tile8(eight, &acts[..rows], &[], &mut wide[..rows]);
-                        for (a, got) in wide[..rows].iter().enumerate() {
-                            let want = eight.map(|w| kernel.dot(format, w, acts[a]).to_bits());
-                            assert_eq!(
-                                got.map(f32::to_bits),
-                                want,
-                                "{format:?} {n}, {tier} eight-row tile of {rows}, activation row {a}"
+                    // Eight distinct rows, where the tier has the eight-row tile: every
+                    // (weight row, activation row) pair its own dot product's bits.
+                    if let Some(eight_rows) = stored_tiles.eight_rows() {
+                        let more: Vec<Vec<u8>> =
+                            (4..8).map(|s| float_row(format, n, s).0).collect();
+                        let eight: [&[u8]; 8] =
+                            std::array::from_fn(
+                                |r| {
+                                    if r < 4 {
+                                        stored[r]
+                                    } else {
+                                        &more[r - 4][..]
+                                    }
+                                },
                             );
+                        // Every count of activation rows up to eight: whole register tiles,
+                        // and the one or two rows left over.
+                        for rows in 1..=acts.len() {
+                            let mut wide = [[f32::NAN; 8]; 8];
+                            eight_rows.tile(eight, &acts[..rows], &[], &mut wide[..rows]);
+                            for (a, got) in wide[..rows].iter().enumerate() {
+                                let want = eight.map(|w| kernel.dot(format, w, acts[a]).to_bits());
+                                assert_eq!(
+                                    got.map(f32::to_bits),
+                                    want,
+                                    "{format:?} {n}, {tier} eight-row tile of {rows}, activation row {a}"
+                                );
+                            }
                         }
                     }
                 }

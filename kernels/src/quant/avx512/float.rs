@@ -223,10 +223,10 @@ unsafe fn quad_avx512(format: FloatFormat, w: [&[f32]; 4], x: &[f32]) -> [f32; 4
 /// eighths share lines, keeps [`super::super::float::TILE_BLOCK`].)
 const BLOCK: usize = 4096;
 
-/// [`BLOCK`] for [`tile8_f16`]: its eight F16 rows of 2048 columns are 32 KiB, which stay in
-/// L1 for all the activation rows. Zen 5, one thread, eight F16 rows of 8192 columns against
-/// 64 activation rows (a throwaway benchmark of the tile alone): 68–71 GMAC/s with 2048
-/// columns, 61–65 with 512.
+/// [`BLOCK`] for [`tile8_stored`]: its eight F16 rows of 2048 columns are 32 KiB, which stay
+/// in L1 for all the activation rows. Zen 5, one thread, eight F16 rows of 8192 columns by
+/// two activation rows at a time, against 64 activation rows (a throwaway benchmark of the
+/// tile alone): 68–71 GMAC/s with 2048 columns, 61–65 with 512.
 const BLOCK8: usize = 2048;
 
 /// Four widened weight rows against activation rows `x` (a multiple of four, at most

@@ -243,7 +243,12 @@ fn tile_avx2<const VNNI: bool>(u: &Unpacked, a: &QuantizedRow) -> [f32; 4] {
             acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(u.d[k] * a.d[i]), prod, acc[r]);
         }
     }
-    [0, 1, 2, 3].map(|r| hsum8(lanes(acc[r])) + if u.signed { 0.0 } else { summs[r] })
+    // A loop, not a closure over `acc` ([`tile_pair_avx2`] says why).
+    let mut out = [0f32; 4];
+    for ((out, acc), summs) in out.iter_mut().zip(acc).zip(summs) {
+        *out = hsum8(lanes(acc)) + if u.signed { 0.0 } else { summs };
+    }
+    out
 }
 
 /// [`tile_avx2`] for two activation rows at once: each weight block is loaded, and for
@@ -302,12 +307,18 @@ fn tile_pair_avx2<const VNNI: bool>(u: &Unpacked, a: [&QuantizedRow; 2]) -> [[f3
             }
         }
     }
-    [0, 1].map(|r| {
+    // Loops, not closures over `acc`: a closure called out of line kept the accumulators in
+    // memory, and the loop above stored all eight after every block.
+    let mut out = [[0f32; 4]; 2];
+    for (r, (out, summs)) in out.iter_mut().zip(summs).enumerate() {
         let mut m = [0f32; 4];
         // SAFETY: `m` holds exactly four f32; storeu is unaligned.
-        unsafe { _mm_storeu_ps(m.as_mut_ptr(), summs[r]) };
-        [0, 1, 2, 3].map(|k| hsum8(lanes(acc[k][r])) + if u.signed { 0.0 } else { m[k] })
-    })
+        unsafe { _mm_storeu_ps(m.as_mut_ptr(), summs) };
+        for (k, out) in out.iter_mut().enumerate() {
+            *out = hsum8(lanes(acc[k][r])) + if u.signed { 0.0 } else { m[k] };
+        }
+    }
+    out
 }
 
 /// The dot product for `format` on the better of the AVX2 tiers `features` has, if any.

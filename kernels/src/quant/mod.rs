@@ -798,9 +798,11 @@ impl Unpacked {
                 0.0
             }
             BlockFormat::Q8_0 => {
-                for (dst, &src) in q.iter_mut().zip(&b[2..34]) {
-                    *dst = src as i8;
-                }
+                // A whole-array copy, which compiles to two vector moves; a loop over the
+                // bytes compiled to 32 byte loads and stores, 8 % of a Q8_0 prompt's
+                // profile on the AVX2 tier.
+                let bytes: &[u8; BLOCK] = b[2..2 + BLOCK].try_into().expect("a Q8_0 block");
+                *q = bytes.map(|v| v as i8);
                 0.0
             }
         });

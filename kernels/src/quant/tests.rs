@@ -167,7 +167,10 @@ type DotFor = fn(BlockFormat) -> Dot;
 #[test]
 fn every_kernel_matches_the_portable_code_bit_for_bit() {
     let nb = 6;
-    let bytes: Vec<u8> = (0..64 * nb).map(|i| (i * 131 % 251) as u8).collect();
+    // The tiles run on rows of 70 blocks too: a tile that goes wrong only after many blocks
+    // (a register reused, a run of blocks miscounted) shows there.
+    let long = 70;
+    let bytes: Vec<u8> = (0..64 * long).map(|i| (i * 131 % 251) as u8).collect();
     // Scales must be finite f16 values: write them explicitly.
     let block = |fmt: BlockFormat, nb: usize| {
         let mut out = Vec::new();
@@ -181,7 +184,7 @@ fn every_kernel_matches_the_portable_code_bit_for_bit() {
         }
         out
     };
-    let x: Vec<f32> = (0..BLOCK * nb)
+    let x: Vec<f32> = (0..BLOCK * long)
         .map(|i| ((i * 37 % 101) as f32 - 50.0) * 0.013)
         .collect();
     let bits = |v: f32| v.to_bits();
@@ -244,64 +247,66 @@ fn every_kernel_matches_the_portable_code_bit_for_bit() {
             }
             assert_eq!(bits(dot_kernel(features, fmt)(&w, &a)), want, "{fmt:?} dot");
         }
-        let w = block(fmt, nb);
-        // Four different rows, so a mixed-up row order shows.
-        let rows: Vec<Vec<u8>> = (0..4)
-            .map(|r| {
-                let mut v = w.clone();
-                v.rotate_left(r * fmt.block_bytes());
-                v
-            })
-            .collect();
-        let quad = [&rows[0][..], &rows[1], &rows[2], &rows[3]];
-        // Six different activation rows too, so a tile that pairs a weight row with the
-        // wrong activation row (or scale) shows; each pair's portable dot is what the tiles
-        // must give.
-        let acts: Vec<QuantizedRow> = (0..6)
-            .map(|i| {
-                let mut v = x.clone();
-                v.rotate_left(i * 7);
-                v.iter_mut().for_each(|x| *x *= 1.0 + i as f32 * 0.3);
-                quantize_row(&v, fmt == BlockFormat::Q4_1)
-            })
-            .collect();
-        let want: Vec<[u32; 4]> = acts
-            .iter()
-            .map(|a| quad.map(|r| bits(dots[0].1(fmt)(r, a))))
-            .collect();
-        let mut u = Unpacked::default();
-        u.fill(fmt, quad);
-        // Runs of 1, 4 and 6 activation rows (the wide kernels' groups and remainder).
-        for n in [1, 4, 6] {
-            let (acts, want) = (&acts[..n], &want[..n]);
-            #[cfg(target_arch = "x86_64")]
-            if let Some(cpu) = features.avx512_vnni() {
-                let packed = avx512::packed_tile(cpu, fmt);
-                let mut out = vec![[0f32; 4]; n];
-                packed(quad, acts, &mut out);
-                let got: Vec<[u32; 4]> = out.iter().map(|o| o.map(bits)).collect();
-                assert_eq!(got, want, "{fmt:?} packed tile of {n}");
-            }
-            #[cfg_attr(
-                not(any(target_arch = "x86_64", target_arch = "aarch64")),
-                allow(unused_mut)
-            )]
-            let mut kernels: Vec<Tile> = vec![tile_kernel(features), tile_portable];
-            #[cfg(target_arch = "x86_64")]
-            {
-                kernels.extend(features.avx2().map(avx2::tile));
-                kernels.extend(features.avx_vnni().map(avx2::tile));
-            }
-            #[cfg(target_arch = "aarch64")]
-            {
-                kernels.extend(features.neon().map(neon::tile));
-                kernels.extend(features.neon_dotprod().map(neon::tile));
-            }
-            for kernel in kernels {
-                let mut out = vec![[0f32; 4]; n];
-                kernel(&u, acts, &mut out);
-                let got: Vec<[u32; 4]> = out.iter().map(|o| o.map(bits)).collect();
-                assert_eq!(got, want, "{fmt:?} tile of {n}");
+        for blocks in [nb, long] {
+            let w = block(fmt, blocks);
+            // Four different rows, so a mixed-up row order shows.
+            let rows: Vec<Vec<u8>> = (0..4)
+                .map(|r| {
+                    let mut v = w.clone();
+                    v.rotate_left(r * fmt.block_bytes());
+                    v
+                })
+                .collect();
+            let quad = [&rows[0][..], &rows[1], &rows[2], &rows[3]];
+            // Six different activation rows too, so a tile that pairs a weight row with the
+            // wrong activation row (or scale) shows; each pair's portable dot is what the tiles
+            // must give.
+            let acts: Vec<QuantizedRow> = (0..6)
+                .map(|i| {
+                    let mut v = x[..blocks * BLOCK].to_vec();
+                    v.rotate_left(i * 7);
+                    v.iter_mut().for_each(|x| *x *= 1.0 + i as f32 * 0.3);
+                    quantize_row(&v, fmt == BlockFormat::Q4_1)
+                })
+                .collect();
+            let want: Vec<[u32; 4]> = acts
+                .iter()
+                .map(|a| quad.map(|r| bits(dots[0].1(fmt)(r, a))))
+                .collect();
+            let mut u = Unpacked::default();
+            u.fill(fmt, quad);
+            // Runs of 1, 4 and 6 activation rows (the wide kernels' groups and remainder).
+            for n in [1, 4, 6] {
+                let (acts, want) = (&acts[..n], &want[..n]);
+                #[cfg(target_arch = "x86_64")]
+                if let Some(cpu) = features.avx512_vnni() {
+                    let packed = avx512::packed_tile(cpu, fmt);
+                    let mut out = vec![[0f32; 4]; n];
+                    packed(quad, acts, &mut out);
+                    let got: Vec<[u32; 4]> = out.iter().map(|o| o.map(bits)).collect();
+                    assert_eq!(got, want, "{fmt:?} packed tile of {n} by {blocks} blocks");
+                }
+                #[cfg_attr(
+                    not(any(target_arch = "x86_64", target_arch = "aarch64")),
+                    allow(unused_mut)
+                )]
+                let mut kernels: Vec<Tile> = vec![tile_kernel(features), tile_portable];
+                #[cfg(target_arch = "x86_64")]
+                {
+                    kernels.extend(features.avx2().map(avx2::tile));
+                    kernels.extend(features.avx_vnni().map(avx2::tile));
+                }
+                #[cfg(target_arch = "aarch64")]
+                {
+                    kernels.extend(features.neon().map(neon::tile));
+                    kernels.extend(features.neon_dotprod().map(neon::tile));
+                }
+                for kernel in kernels {
+                    let mut out = vec![[0f32; 4]; n];
+                    kernel(&u, acts, &mut out);
+                    let got: Vec<[u32; 4]> = out.iter().map(|o| o.map(bits)).collect();
+                    assert_eq!(got, want, "{fmt:?} tile of {n} by {blocks} blocks");
+                }
             }
         }
     }

@@ -247,14 +247,15 @@ pub(crate) enum EightRowTiles {
 }
 
 impl EightRowTiles {
-    /// The activation rows [`EightRowTiles::tile`] is best given at a time: a multiple of
-    /// the rows its register tile takes per pass (three for F16, two for BF16).
+    /// The activation rows [`EightRowTiles::tile`] is best given at a time: the most that
+    /// are a multiple of the rows its register tile takes per pass.
     pub(crate) fn activations_per_call(self) -> usize {
         match self {
             #[cfg(target_arch = "x86_64")]
-            EightRowTiles::Avx512(_, FloatFormat::BF16) => TILE_ROWS,
-            #[cfg(target_arch = "x86_64")]
-            EightRowTiles::Avx512(..) => TILE_ROWS / 3 * 3,
+            EightRowTiles::Avx512(_, format) => {
+                let pass = super::avx512::float::tile8_pass_rows(format);
+                TILE_ROWS / pass * pass
+            }
         }
     }
 

@@ -164,6 +164,15 @@ fn say_checked(what: &str, ran: &[&str]) {
 /// A tier's dot product for each format.
 type DotFor = fn(BlockFormat) -> Dot;
 
+/// The portable dot product for each format: what every tier's kernels must give.
+fn portable_dot(format: BlockFormat) -> Dot {
+    match format {
+        BlockFormat::Q4_1 => dot_q4_1,
+        BlockFormat::Q4_0 => dot_q4_0,
+        BlockFormat::Q8_0 => dot_q8_0,
+    }
+}
+
 #[test]
 fn every_kernel_matches_the_portable_code_bit_for_bit() {
     let nb = 6;
@@ -193,11 +202,7 @@ fn every_kernel_matches_the_portable_code_bit_for_bit() {
         not(any(target_arch = "x86_64", target_arch = "aarch64")),
         allow(unused_mut)
     )]
-    let mut dots: Vec<(&str, DotFor)> = vec![("portable", |fmt| match fmt {
-        BlockFormat::Q4_1 => dot_q4_1,
-        BlockFormat::Q4_0 => dot_q4_0,
-        BlockFormat::Q8_0 => dot_q8_0,
-    })];
+    let mut dots: Vec<(&str, DotFor)> = vec![("portable", portable_dot)];
     #[cfg(target_arch = "x86_64")]
     {
         if features.avx2().is_some() {
@@ -237,7 +242,7 @@ fn every_kernel_matches_the_portable_code_bit_for_bit() {
         for n in [1, 5, nb] {
             let w = block(fmt, n);
             let a = quantize_row(&x[..n * BLOCK], fmt == BlockFormat::Q4_1);
-            let want = bits(dots[0].1(fmt)(&w, &a));
+            let want = bits(portable_dot(fmt)(&w, &a));
             for (name, dot) in &dots {
                 assert_eq!(
                     bits(dot(fmt)(&w, &a)),
@@ -248,66 +253,74 @@ fn every_kernel_matches_the_portable_code_bit_for_bit() {
             assert_eq!(bits(dot_kernel(features, fmt)(&w, &a)), want, "{fmt:?} dot");
         }
         for blocks in [nb, long] {
-            let w = block(fmt, blocks);
-            // Four different rows, so a mixed-up row order shows.
-            let rows: Vec<Vec<u8>> = (0..4)
-                .map(|r| {
-                    let mut v = w.clone();
-                    v.rotate_left(r * fmt.block_bytes());
-                    v
-                })
-                .collect();
-            let quad = [&rows[0][..], &rows[1], &rows[2], &rows[3]];
-            // Six different activation rows too, so a tile that pairs a weight row with the
-            // wrong activation row (or scale) shows; each pair's portable dot is what the tiles
-            // must give.
-            let acts: Vec<QuantizedRow> = (0..6)
-                .map(|i| {
-                    let mut v = x[..blocks * BLOCK].to_vec();
-                    v.rotate_left(i * 7);
-                    v.iter_mut().for_each(|x| *x *= 1.0 + i as f32 * 0.3);
-                    quantize_row(&v, fmt == BlockFormat::Q4_1)
-                })
-                .collect();
-            let want: Vec<[u32; 4]> = acts
-                .iter()
-                .map(|a| quad.map(|r| bits(dots[0].1(fmt)(r, a))))
-                .collect();
-            let mut u = Unpacked::default();
-            u.fill(fmt, quad);
-            // Runs of 1, 4 and 6 activation rows (the wide kernels' groups and remainder).
-            for n in [1, 4, 6] {
-                let (acts, want) = (&acts[..n], &want[..n]);
-                #[cfg(target_arch = "x86_64")]
-                if let Some(cpu) = features.avx512_vnni() {
-                    let packed = avx512::packed_tile(cpu, fmt);
-                    let mut out = vec![[0f32; 4]; n];
-                    packed(quad, acts, &mut out);
-                    let got: Vec<[u32; 4]> = out.iter().map(|o| o.map(bits)).collect();
-                    assert_eq!(got, want, "{fmt:?} packed tile of {n} by {blocks} blocks");
-                }
-                #[cfg_attr(
-                    not(any(target_arch = "x86_64", target_arch = "aarch64")),
-                    allow(unused_mut)
-                )]
-                let mut kernels: Vec<Tile> = vec![tile_kernel(features), tile_portable];
-                #[cfg(target_arch = "x86_64")]
-                {
-                    kernels.extend(features.avx2().map(avx2::tile));
-                    kernels.extend(features.avx_vnni().map(avx2::tile));
-                }
-                #[cfg(target_arch = "aarch64")]
-                {
-                    kernels.extend(features.neon().map(neon::tile));
-                    kernels.extend(features.neon_dotprod().map(neon::tile));
-                }
-                for kernel in kernels {
-                    let mut out = vec![[0f32; 4]; n];
-                    kernel(&u, acts, &mut out);
-                    let got: Vec<[u32; 4]> = out.iter().map(|o| o.map(bits)).collect();
-                    assert_eq!(got, want, "{fmt:?} tile of {n} by {blocks} blocks");
-                }
-            }
+            tiles_match_the_portable_dot(fmt, &block(fmt, blocks), &x[..blocks * BLOCK]);
+        }
+    }
+}
+
+/// Every 32-value tile this CPU has, on four different weight rows made from `w` (`fmt`
+/// blocks) against six different activation rows made from `x`, gives each pair's portable
+/// dot product, bit for bit.
+fn tiles_match_the_portable_dot(fmt: BlockFormat, w: &[u8], x: &[f32]) {
+    let features = cpu::detect();
+    let blocks = x.len() / BLOCK;
+    // Four different rows, so a mixed-up row order shows.
+    let rows: Vec<Vec<u8>> = (0..4)
+        .map(|r| {
+            let mut v = w.to_vec();
+            v.rotate_left(r * fmt.block_bytes());
+            v
+        })
+        .collect();
+    let quad = [&rows[0][..], &rows[1], &rows[2], &rows[3]];
+    // Six different activation rows too, so a tile that pairs a weight row with the
+    // wrong activation row (or scale) shows; each pair's portable dot is what the tiles
+    // must give.
+    let acts: Vec<QuantizedRow> = (0..6)
+        .map(|i| {
+            let mut v = x.to_vec();
+            v.rotate_left(i * 7);
+            v.iter_mut().for_each(|x| *x *= 1.0 + i as f32 * 0.3);
+            quantize_row(&v, fmt == BlockFormat::Q4_1)
+        })
+        .collect();
+    let want: Vec<[u32; 4]> = acts
+        .iter()
+        .map(|a| quad.map(|r| portable_dot(fmt)(r, a).to_bits()))
+        .collect();
+    let mut u = Unpacked::default();
+    u.fill(fmt, quad);
+    // Runs of 1, 4 and 6 activation rows (the wide kernels' groups and remainder).
+    for n in [1, 4, 6] {
+        let (acts, want) = (&acts[..n], &want[..n]);
+        #[cfg(target_arch = "x86_64")]
+        if let Some(cpu) = features.avx512_vnni() {
+            let packed = avx512::packed_tile(cpu, fmt);
+            let mut out = vec![[0f32; 4]; n];
+            packed(quad, acts, &mut out);
+            let got: Vec<[u32; 4]> = out.iter().map(|o| o.map(f32::to_bits)).collect();
+            assert_eq!(got, want, "{fmt:?} packed tile of {n} by {blocks} blocks");
+        }
+        #[cfg_attr(
+            not(any(target_arch = "x86_64", target_arch = "aarch64")),
+            allow(unused_mut)
+        )]
+        let mut kernels: Vec<Tile> = vec![tile_kernel(features), tile_portable];
+        #[cfg(target_arch = "x86_64")]
+        {
+            kernels.extend(features.avx2().map(avx2::tile));
+            kernels.extend(features.avx_vnni().map(avx2::tile));
+        }
+        #[cfg(target_arch = "aarch64")]
+        {
+            kernels.extend(features.neon().map(neon::tile));
+            kernels.extend(features.neon_dotprod().map(neon::tile));
+        }
+        for kernel in kernels {
+            let mut out = vec![[0f32; 4]; n];
+            kernel(&u, acts, &mut out);
+            let got: Vec<[u32; 4]> = out.iter().map(|o| o.map(f32::to_bits)).collect();
+            assert_eq!(got, want, "{fmt:?} tile of {n} by {blocks} blocks");
         }
     }
 }

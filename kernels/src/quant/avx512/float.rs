@@ -297,10 +297,20 @@ pub(crate) fn tile8_stored(
     tile_columns(w.map(|w| w.len() / 2), x, out.len(), 1);
     // SAFETY: `cpu` proves AVX-512 F; every row holds as many values as `x[0]`.
     unsafe {
-        match format {
-            FloatFormat::BF16 => tile8_groups::<2>(format, w, x, ahead, out),
+        match tile8_pass_rows(format) {
+            2 => tile8_groups::<2>(format, w, x, ahead, out),
             _ => tile8_groups::<3>(format, w, x, ahead, out),
         }
+    }
+}
+
+/// The activation rows each pass of [`tile8_stored`]'s register tile takes for `format`:
+/// three for F16 (24 accumulators), two for BF16, whose pair-order loads take more
+/// registers.
+pub(crate) const fn tile8_pass_rows(format: FloatFormat) -> usize {
+    match format {
+        FloatFormat::BF16 => 2,
+        _ => 3,
     }
 }
 

@@ -91,10 +91,8 @@ struct Unpacked {
     k: Scalars,
 }
 
-/// One activation row's super-block.
-struct Act<'a> {
-    /// Its 256 bytes.
-    bytes: &'a [i8],
+/// One activation row's super-block, beyond its bytes.
+struct Act {
     bsums: __m256i,
     /// Q4_K and Q5_K: the sums of each 32 bytes (pairs of `bsums` added).
     q8s: __m128i,
@@ -224,7 +222,7 @@ fn unpack<const F: u8>(
 
 #[inline]
 #[target_feature(enable = "avx2")]
-fn act<const F: u8>(a: &Q8KRow, i: usize) -> Act<'_> {
+fn act<const F: u8>(a: &Q8KRow, i: usize) -> Act {
     let bsums = bsums(a, i);
     let q8s = if F == Q4 || F == Q5 {
         sums32(a, i)
@@ -232,28 +230,44 @@ fn act<const F: u8>(a: &Q8KRow, i: usize) -> Act<'_> {
         _mm_setzero_si128()
     };
     Act {
-        bytes: &a.qs[i * QK_K..(i + 1) * QK_K],
         bsums,
         q8s,
         d: a.d[i],
     }
 }
 
-/// The pair's eight integer lanes, a chunk at a time.
+/// The integer lanes of weight row `u` against super-block `i` of each activation row,
+/// into `sumis[a]`: four chunks at a time, whose values and scales (eight of the sixteen
+/// registers) are loaded once for every activation row, which then costs one load per two
+/// multiplies where a pair's chunks cost three (its values, its scales and the activation
+/// bytes). AMD EPYC (Zen 5), the AVX2 build capped to AVX2, random 1.1B Q4_K_M, against a
+/// pair's eight chunks at a time: 512-token prompts 116–122 -> 135–141 tok/s, a
+/// 16-request decode step's weight products 151–157 -> 119–121 ms.
 #[inline]
 #[target_feature(enable = "avx2")]
-fn sumi_avx2<const F: u8>(u: &Unpacked, a: &Act) -> __m256i {
-    let mut sumi = _mm256_setzero_si256();
+fn sumis_avx2<const F: u8>(u: &Unpacked, acts: &[Q8KRow], i: usize, sumis: &mut [__m256i]) {
     let four = _mm256_set1_epi8(4);
-    for c in 0..8 {
-        let y = load_q8(a.bytes, 32 * c);
-        let mut p16 = _mm256_maddubs_epi16(u.q[c], y);
-        if F == Q3 {
-            p16 = _mm256_sub_epi16(p16, _mm256_maddubs_epi16(four, y));
+    for half in 0..2 {
+        let q: [__m256i; 4] = std::array::from_fn(|k| u.q[4 * half + k]);
+        let s: [__m256i; 4] = std::array::from_fn(|k| u.s[4 * half + k]);
+        for (a, sumi) in acts.iter().zip(sumis.iter_mut()) {
+            let bytes = &a.qs[i * QK_K..(i + 1) * QK_K];
+            let mut acc = if half == 0 {
+                _mm256_setzero_si256()
+            } else {
+                *sumi
+            };
+            for k in 0..4 {
+                let y = load_q8(bytes, 32 * (4 * half + k));
+                let mut p16 = _mm256_maddubs_epi16(q[k], y);
+                if F == Q3 {
+                    p16 = _mm256_sub_epi16(p16, _mm256_maddubs_epi16(four, y));
+                }
+                acc = _mm256_add_epi32(acc, _mm256_madd_epi16(s[k], p16));
+            }
+            *sumi = acc;
         }
-        sumi = _mm256_add_epi32(sumi, _mm256_madd_epi16(u.s[c], p16));
     }
-    sumi
 }
 
 /// The pair's float step for one super-block, as ggml's dot product takes it.
@@ -311,7 +325,8 @@ fn no_scalars() -> Scalars {
     }
 }
 
-/// The AVX2 tile: each pair's integer lanes a chunk at a time, its float step alone.
+/// The AVX2 tile: each weight row's integer lanes against every activation row of a group
+/// ([`sumis_avx2`]), then each pair's float step alone.
 #[target_feature(enable = "avx2,fma")]
 fn tile_avx2_body<const F: u8>(rows: [&[u8]; 4], acts: &[Q8KRow], out: &mut [[f32; 4]]) {
     let bytes = format(F).block_bytes();
@@ -327,17 +342,19 @@ fn tile_avx2_body<const F: u8>(rows: [&[u8]; 4], acts: &[Q8KRow], out: &mut [[f3
         s: [zi; 8],
         k: no_scalars(),
     }; 4];
+    let mut sumis = [[zi; GROUP]; 4];
     for (group, out) in acts.chunks(GROUP).zip(out.chunks_mut(GROUP)) {
         let mut accs = [[zero; 4]; GROUP];
         for i in 0..nb {
-            for (u, w) in u.iter_mut().zip(rows) {
+            for ((u, w), sumis) in u.iter_mut().zip(rows).zip(sumis.iter_mut()) {
                 let b = &w[i * bytes..(i + 1) * bytes];
                 unpack::<F>(b, &mut u.q, &mut u.s, (1, 0), &mut u.k);
+                sumis_avx2::<F>(u, group, i, sumis);
             }
-            for (a, accs) in group.iter().zip(accs.iter_mut()) {
+            for (at, (a, accs)) in group.iter().zip(accs.iter_mut()).enumerate() {
                 let a = act::<F>(a, i);
-                for (u, p) in u.iter().zip(accs.iter_mut()) {
-                    accumulate::<F>(u, &a, sumi_avx2::<F>(u, &a), p);
+                for ((u, p), sumis) in u.iter().zip(accs.iter_mut()).zip(&sumis) {
+                    accumulate::<F>(u, &a, sumis[at], p);
                 }
             }
         }

@@ -1306,6 +1306,11 @@ fn k_quant_tiles_give_every_pair_its_dot_product_bit_for_bit() {
                 .avx2()
                 .map(|cpu| kquant::tile::tile_avx2(cpu, f))
         }));
+        tiers.push(("avx-vnni", |f| {
+            cpu::detect()
+                .avx_vnni()
+                .map(|cpu| kquant::tile::tile_avx_vnni(cpu, f))
+        }));
     }
     #[cfg(target_arch = "aarch64")]
     {

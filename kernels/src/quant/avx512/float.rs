@@ -314,7 +314,10 @@ pub(crate) const fn tile8_pass_rows(format: FloatFormat) -> usize {
     }
 }
 
-/// [`tile8_stored`] with activation rows `A` at a time, then the one or two left over.
+/// [`tile8_stored`] with activation rows `A` at a time, then two at a time for the rest: a
+/// single row left after threes goes with the last three as two twos (eight by one reads
+/// each weight vector for one multiply-add), and is left alone only where there is no
+/// three before it or `A` is two.
 ///
 /// # Safety
 /// The CPU must have AVX-512 F; every row of `w` and `x` must hold `x[0].len()` values; `x`
@@ -327,20 +330,23 @@ unsafe fn tile8_groups<const A: usize>(
     ahead: &[u8],
     out: &mut [[f32; 8]],
 ) {
-    let whole = x.len() / A * A;
+    let mut whole = x.len() / A * A;
+    if A == 3 && x.len() - whole == 1 && whole > 0 {
+        whole -= 3;
+    }
     let (x, rest) = x.split_at(whole);
     let (out, out_rest) = out.split_at_mut(whole);
     let (ahead, ahead_rest) = ahead.split_at(ahead.len() * whole / (whole + rest.len()).max(1));
-    // SAFETY: as the caller guarantees; at most eight groups of `A` rows, and one group of
-    // the one or two left.
+    // SAFETY: as the caller guarantees; at most eight groups of `A` rows, then the one row
+    // left or one or two groups of two.
     unsafe {
         if !x.is_empty() {
             tile_rows_stored::<8, A>(format, w, x, ahead, BLOCK8, out);
         }
         match rest.len() {
-            2 => tile_rows_stored::<8, 2>(format, w, rest, ahead_rest, BLOCK8, out_rest),
             1 => tile_rows_stored::<8, 1>(format, w, rest, ahead_rest, BLOCK8, out_rest),
-            _ => {}
+            0 => {}
+            _ => tile_rows_stored::<8, 2>(format, w, rest, ahead_rest, BLOCK8, out_rest),
         }
     }
 }

@@ -47,25 +47,25 @@ pub(crate) fn tile(features: Features, format: KFormat) -> Option<Tile> {
 /// The tile on AVX2 alone (the kernel tests check it on AVX-512 CPUs too).
 pub(crate) fn tile_avx2(cpu: crate::cpu::Avx2, format: KFormat) -> Tile {
     let _ = cpu;
-    match format {
-        KFormat::Q2K => run_avx2::<Q2, false>,
-        KFormat::Q3K => run_avx2::<Q3, false>,
-        KFormat::Q4K => run_avx2::<Q4, false>,
-        KFormat::Q5K => run_avx2::<Q5, false>,
-        KFormat::Q6K => run_avx2::<Q6, false>,
-    }
+    avx2_tile::<false>(format)
 }
 
 /// The AVX2 tile compiled for AVX-VNNI, whose `vpdpwssd` adds each chunk's scaled pair
 /// sums into the lanes in the instruction that multiplies them (the same exact integers).
 pub(crate) fn tile_avx_vnni(cpu: crate::cpu::AvxVnni, format: KFormat) -> Tile {
     let _ = cpu;
+    avx2_tile::<true>(format)
+}
+
+/// The AVX2 tile for `format`, with AVX-VNNI where `VNNI`: for [`tile_avx2`] and
+/// [`tile_avx_vnni`] only, whose tokens prove the tier.
+fn avx2_tile<const VNNI: bool>(format: KFormat) -> Tile {
     match format {
-        KFormat::Q2K => run_avx2::<Q2, true>,
-        KFormat::Q3K => run_avx2::<Q3, true>,
-        KFormat::Q4K => run_avx2::<Q4, true>,
-        KFormat::Q5K => run_avx2::<Q5, true>,
-        KFormat::Q6K => run_avx2::<Q6, true>,
+        KFormat::Q2K => run_avx2::<Q2, VNNI>,
+        KFormat::Q3K => run_avx2::<Q3, VNNI>,
+        KFormat::Q4K => run_avx2::<Q4, VNNI>,
+        KFormat::Q5K => run_avx2::<Q5, VNNI>,
+        KFormat::Q6K => run_avx2::<Q6, VNNI>,
     }
 }
 
@@ -82,7 +82,7 @@ fn run_avx2<const F: u8, const VNNI: bool>(
     acts: &[Q8KRow],
     out: &mut [[f32; 4]],
 ) {
-    // SAFETY: handed out only by `tile`, `tile_avx2` (which saw the AVX2 token) and, with
+    // SAFETY: handed out only through `tile_avx2` (which saw the AVX2 token) and, with
     // `VNNI`, `tile_avx_vnni` (which saw the AVX-VNNI token).
     unsafe { tile_avx2_body::<F, VNNI>(rows, acts, out) }
 }

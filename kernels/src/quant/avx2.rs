@@ -20,7 +20,7 @@ use crate::cpu::{Avx2, ByteDot, Features};
 /// # Safety
 /// The CPU must have AVX2, FMA and F16C, and (`VNNI`) AVX-VNNI.
 #[inline(always)]
-unsafe fn on_tier<const VNNI: bool, R>(f: impl FnOnce() -> R) -> R {
+pub(super) unsafe fn on_tier<const VNNI: bool, R>(f: impl FnOnce() -> R) -> R {
     #[target_feature(enable = "avx2,fma,f16c")]
     fn avx2<R>(f: impl FnOnce() -> R) -> R {
         f()

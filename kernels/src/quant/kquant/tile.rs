@@ -19,6 +19,7 @@ use super::avx2::{
 };
 use super::{f16_at, format, scales_q3k, KFormat, Q8KRow, Q2, Q3, Q4, Q5, Q6, QK_K};
 use crate::cpu::Features;
+use crate::quant::avx2::on_tier;
 use crate::quant::portable::hsum8;
 use crate::quant::PairTile;
 
@@ -267,7 +268,7 @@ fn act<const F: u8>(a: &Q8KRow, i: usize) -> Act {
 ///
 /// With `VNNI`, one `vpdpwssd` multiplies each chunk's pair sums by their scales and adds
 /// them to the lanes, where `vpmaddwd` and `vpaddd` take two instructions: the same exact
-/// integers. It runs only inlined into [`sumis_avx_vnni`]. LLVM keeps one `vpdpwssd` of
+/// integers; `on_tier` compiles it with AVX-VNNI. LLVM keeps one `vpdpwssd` of
 /// each four and splits the rest back into the two (its tuning, for the x86-64-v3 release
 /// build and a Zen 3 build alike); capped to AVX-VNNI on a Zen 5, random 1.1B Q4_K_M,
 /// 512-token prompts measured 1–8 % faster in six alternating pairs (136–142 -> 143–150
@@ -298,8 +299,8 @@ fn sumis_avx2<const F: u8, const VNNI: bool>(
                     p16 = _mm256_sub_epi16(p16, _mm256_maddubs_epi16(four, y));
                 }
                 acc = if VNNI {
-                    // SAFETY: `VNNI` only inlined into `sumis_avx_vnni`, which runs with
-                    // AVX-VNNI enabled.
+                    // SAFETY: with `VNNI` this runs only inlined into `on_tier`'s function
+                    // with AVX-VNNI enabled (`tile_avx2_body` calls it so).
                     unsafe { _mm256_dpwssd_avx_epi32(acc, s[k], p16) }
                 } else {
                     _mm256_add_epi32(acc, _mm256_madd_epi16(s[k], p16))
@@ -308,12 +309,6 @@ fn sumis_avx2<const F: u8, const VNNI: bool>(
             *sumi = acc;
         }
     }
-}
-
-/// [`sumis_avx2`] with AVX-VNNI's `vpdpwssd`.
-#[target_feature(enable = "avx2,avxvnni")]
-fn sumis_avx_vnni<const F: u8>(u: &Unpacked, acts: &[Q8KRow], i: usize, sumis: &mut [__m256i]) {
-    sumis_avx2::<F, true>(u, acts, i, sumis)
 }
 
 /// The pair's float step for one super-block, as ggml's dot product takes it.
@@ -375,7 +370,7 @@ fn no_scalars() -> Scalars {
 /// ([`sumis_avx2`]), then each pair's float step alone.
 ///
 /// # Safety
-/// With `VNNI`, the CPU must have AVX-VNNI.
+/// The CPU must have the AVX2 tier (AVX2, FMA, F16C) and, with `VNNI`, AVX-VNNI.
 #[target_feature(enable = "avx2,fma")]
 unsafe fn tile_avx2_body<const F: u8, const VNNI: bool>(
     rows: [&[u8]; 4],
@@ -402,12 +397,9 @@ unsafe fn tile_avx2_body<const F: u8, const VNNI: bool>(
             for ((u, w), sumis) in u.iter_mut().zip(rows).zip(sumis.iter_mut()) {
                 let b = &w[i * bytes..(i + 1) * bytes];
                 unpack::<F>(b, &mut u.q, &mut u.s, (1, 0), &mut u.k);
-                if VNNI {
-                    // SAFETY: the caller guarantees AVX-VNNI.
-                    unsafe { sumis_avx_vnni::<F>(u, group, i, sumis) }
-                } else {
-                    sumis_avx2::<F, false>(u, group, i, sumis)
-                }
+                // SAFETY: the caller guarantees the AVX2 tier (AVX2, FMA, F16C) and, with
+                // `VNNI`, AVX-VNNI.
+                unsafe { on_tier::<VNNI, _>(|| sumis_avx2::<F, VNNI>(u, group, i, sumis)) }
             }
             for (at, (a, accs)) in group.iter().zip(accs.iter_mut()).enumerate() {
                 let a = act::<F>(a, i);

@@ -247,9 +247,31 @@ pub(crate) enum EightRowTiles {
 }
 
 impl EightRowTiles {
-    /// The activation rows [`EightRowTiles::tile`] is best given at a time: the most that
-    /// are a multiple of the rows its register tile takes per pass.
-    pub(crate) fn activations_per_call(self) -> usize {
+    /// The first activation row and the number of rows of each call of
+    /// [`EightRowTiles::tile`] for `m` activation rows: as many as [`Self::per_call`] at a
+    /// time, but a last single row joins the call before it where the tile takes one more,
+    /// rather than streaming the eight weight rows again on its own (the tile then runs
+    /// sixteen F16 rows as four threes and two twos). AMD EPYC (Zen 5), random 1.1B F16, a
+    /// 16-request decode step's weight products 115–127 -> 113–117 ms, the whole step
+    /// 123–128 -> 117–123 ms (six alternating pairs); 512-token prompts even.
+    pub(crate) fn calls(self, m: usize) -> Vec<(usize, usize)> {
+        let per_call = self.per_call();
+        let mut calls = Vec::new();
+        let mut i = 0;
+        while i < m {
+            let mut n = per_call.min(m - i);
+            if m - i - n == 1 && n < TILE_ROWS {
+                n += 1;
+            }
+            calls.push((i, n));
+            i += n;
+        }
+        calls
+    }
+
+    /// The activation rows the tile is best given at a time: the most that are a multiple
+    /// of the rows its register tile takes per pass.
+    fn per_call(self) -> usize {
         match self {
             #[cfg(target_arch = "x86_64")]
             EightRowTiles::Avx512(_, format) => {
@@ -748,26 +770,6 @@ pub(crate) fn tile_columns<T, const R: usize>(
     k
 }
 
-/// The first activation row and the number of rows of each call of an eight-row tile that
-/// takes `per_call` rows at a time: a last single row joins the call before it where the
-/// tile takes one more, rather than streaming the eight weight rows again on its own (the
-/// tile then runs sixteen F16 rows as four threes and two twos). AMD EPYC (Zen 5), random
-/// 1.1B F16, a 16-request decode step's weight products 115–127 -> 113–117 ms, the whole
-/// step 123–128 -> 117–123 ms (six alternating pairs); 512-token prompts even.
-fn call_rows(m: usize, per_call: usize) -> Vec<(usize, usize)> {
-    let mut calls = Vec::new();
-    let mut i = 0;
-    while i < m {
-        let mut n = per_call.min(m - i);
-        if m - i - n == 1 && n < TILE_ROWS {
-            n += 1;
-        }
-        calls.push((i, n));
-        i += n;
-    }
-    calls
-}
-
 /// `ahead` cut into one share of whole cache lines for each of a tile's `passes`.
 #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
 pub(crate) fn shares(ahead: &[u8], passes: usize) -> std::slice::Chunks<'_, u8> {
@@ -938,7 +940,7 @@ impl QuantMatrix {
         let mut range = range;
         if let Some(eight) = stored.and_then(StoredTiles::eight_rows) {
             let eights = range.start + range.len() / 8 * 8;
-            let calls = call_rows(m, eight.activations_per_call());
+            let calls = eight.calls(m);
             let mut tiles = [[0f32; 8]; TILE_ROWS];
             for r in (range.start..eights).step_by(8) {
                 let raw: [&[u8]; 8] = std::array::from_fn(|j| self.weight_row(r + j));

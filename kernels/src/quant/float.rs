@@ -193,6 +193,20 @@ impl PairTiles {
             PairTiles::Avx512Bf16(cpu) => super::avx512::bf16::tile(cpu, w, x, ahead, out),
         }
     }
+
+    /// The activation rows [`PairTiles::tile8`]'s register tile takes per pass.
+    pub(crate) const EIGHT_ROW_PASS: usize = 3;
+
+    /// Eight BF16 weight rows against activation rows `x` (BF16 bits in column order, any
+    /// number, at most [`TILE_ROWS`]): `out[a][r]`, each [`FloatKernel::dot`]'s result.
+    /// `ahead`'s cache lines are fetched while it computes.
+    pub(crate) fn tile8(self, w: [&[u8]; 8], x: &[&[u16]], ahead: &[u8], out: &mut [[f32; 8]]) {
+        let _ = (w, x, ahead, &out);
+        match self {
+            #[cfg(target_arch = "x86_64")]
+            PairTiles::Avx512Bf16(cpu) => super::avx512::bf16::tile8(cpu, w, x, ahead, out),
+        }
+    }
 }
 
 /// The tiles that read F16 or BF16 weight rows as stored ([`FloatKernel::stored_tiles`]),
@@ -247,37 +261,11 @@ pub(crate) enum EightRowTiles {
 }
 
 impl EightRowTiles {
-    /// The first activation row and the number of rows of each call of
-    /// [`EightRowTiles::tile`] for `m` activation rows: as many as [`Self::per_call`] at a
-    /// time, but a last single row joins the call before it where the tile takes one more,
-    /// rather than streaming the eight weight rows again on its own (the tile then runs
-    /// sixteen F16 rows as four threes and two twos). AMD EPYC (Zen 5), random 1.1B F16, a
-    /// 16-request decode step's weight products 115–127 -> 113–117 ms, the whole step
-    /// 123–128 -> 117–123 ms (six alternating pairs); 512-token prompts even.
-    pub(crate) fn calls(self, m: usize) -> Vec<(usize, usize)> {
-        let per_call = self.per_call();
-        let mut calls = Vec::new();
-        let mut i = 0;
-        while i < m {
-            let mut n = per_call.min(m - i);
-            if m - i - n == 1 && n < TILE_ROWS {
-                n += 1;
-            }
-            calls.push((i, n));
-            i += n;
-        }
-        calls
-    }
-
-    /// The activation rows the tile is best given at a time: the most that are a multiple
-    /// of the rows its register tile takes per pass.
-    fn per_call(self) -> usize {
+    /// The activation rows its register tile takes per pass.
+    fn pass_rows(self) -> usize {
         match self {
             #[cfg(target_arch = "x86_64")]
-            EightRowTiles::Avx512(_, format) => {
-                let pass = super::avx512::float::tile8_pass_rows(format);
-                TILE_ROWS / pass * pass
-            }
+            EightRowTiles::Avx512(_, format) => super::avx512::float::tile8_pass_rows(format),
         }
     }
 
@@ -291,6 +279,64 @@ impl EightRowTiles {
             EightRowTiles::Avx512(cpu, format) => {
                 super::avx512::float::tile8_stored(cpu, format, w, x, ahead, out)
             }
+        }
+    }
+}
+
+/// The eight-row tile a float product runs, where its tier has one for the format.
+#[derive(Clone, Copy)]
+enum EightRows {
+    /// `vdpbf16ps` on the activations' BF16 bits in column order.
+    Pairs(PairTiles),
+    /// Rows as stored on the activations' values.
+    Stored(EightRowTiles),
+}
+
+impl EightRows {
+    /// The first activation row and the number of rows of each call of
+    /// [`EightRows::tile`] for `m` activation rows: as many at a time as are a multiple of
+    /// the rows the register tile takes per pass, but a last single row joins the call
+    /// before it where the tile takes one more, rather than streaming the eight weight rows
+    /// again on its own (the tile then runs sixteen rows as four threes and two twos). AMD
+    /// EPYC (Zen 5), random 1.1B F16, a 16-request decode step's weight products 115–127 ->
+    /// 113–117 ms, the whole step 123–128 -> 117–123 ms (six alternating pairs); 512-token
+    /// prompts even.
+    fn calls(self, m: usize) -> Vec<(usize, usize)> {
+        let pass = match self {
+            EightRows::Pairs(_) => PairTiles::EIGHT_ROW_PASS,
+            EightRows::Stored(tiles) => tiles.pass_rows(),
+        };
+        let per_call = TILE_ROWS / pass * pass;
+        let mut calls = Vec::new();
+        let mut i = 0;
+        while i < m {
+            let mut n = per_call.min(m - i);
+            if m - i - n == 1 && n < TILE_ROWS {
+                n += 1;
+            }
+            calls.push((i, n));
+            i += n;
+        }
+        calls
+    }
+
+    /// Eight weight rows as stored against `n` (at most [`TILE_ROWS`]) of the task's
+    /// `k`-value activation rows from row `i`: `out[a][r]`, each [`FloatKernel::dot`]'s
+    /// result. `ahead`'s cache lines are fetched while it computes.
+    fn tile(
+        self,
+        w: [&[u8]; 8],
+        acts: Acts<'_>,
+        k: usize,
+        (i, n): (usize, usize),
+        ahead: &[u8],
+        out: &mut [[f32; 8]],
+    ) {
+        match self {
+            EightRows::Pairs(pairs) => {
+                pairs.tile8(w, &act_rows(acts.columns, k, i, n)[..n], ahead, out)
+            }
+            EightRows::Stored(tiles) => tiles.tile(w, &act_rows(acts.x, k, i, n)[..n], ahead, out),
         }
     }
 }
@@ -938,7 +984,13 @@ impl QuantMatrix {
         // eight rows at a time where the tier has registers for it, then four at a time.
         let stored = kernel.stored_tiles(format);
         let mut range = range;
-        if let Some(eight) = stored.and_then(StoredTiles::eight_rows) {
+        let eight = match pairs {
+            Some(pairs) => Some(EightRows::Pairs(pairs)),
+            None => stored
+                .and_then(StoredTiles::eight_rows)
+                .map(EightRows::Stored),
+        };
+        if let Some(eight) = eight {
             let eights = range.start + range.len() / 8 * 8;
             let calls = eight.calls(m);
             let mut tiles = [[0f32; 8]; TILE_ROWS];
@@ -947,9 +999,8 @@ impl QuantMatrix {
                 let next = self.rows_bytes(r + 8, (r + 16).min(eights));
                 let mut ahead = next.chunks(next.len().div_ceil(calls.len()).max(1));
                 for &(i, n) in &calls {
-                    let x = act_rows(acts.x, k, i, n);
                     let ahead = ahead.next().unwrap_or_default();
-                    eight.tile(raw, &x[..n], ahead, &mut tiles[..n]);
+                    eight.tile(raw, acts, k, (i, n), ahead, &mut tiles[..n]);
                     for (a, v) in tiles[..n].iter().enumerate() {
                         for (j, &v) in v.iter().enumerate() {
                             put(i + a, r + j, v);
@@ -983,13 +1034,7 @@ impl QuantMatrix {
                 let n = TILE_ROWS.min(fours - i);
                 let ahead = ahead.next().unwrap_or_default();
                 if let Some(pairs) = pairs {
-                    let mut x: [&[u16]; TILE_ROWS] = [&[]; TILE_ROWS];
-                    for (x, row) in x
-                        .iter_mut()
-                        .zip(acts.columns[i * k..(i + n) * k].chunks_exact(k))
-                    {
-                        *x = row;
-                    }
+                    let x = act_rows(acts.columns, k, i, n);
                     pairs.tile(raw, &x[..n], ahead, &mut tiles[..n]);
                 } else {
                     let x = act_rows(acts.x, k, i, n);
@@ -1024,8 +1069,8 @@ impl QuantMatrix {
 }
 
 /// Rows `i..i + n` (at most [`TILE_ROWS`]) of the `k`-value rows in `x`, for a tile.
-fn act_rows(x: &[f32], k: usize, i: usize, n: usize) -> [&[f32]; TILE_ROWS] {
-    let mut rows: [&[f32]; TILE_ROWS] = [&[]; TILE_ROWS];
+fn act_rows<T>(x: &[T], k: usize, i: usize, n: usize) -> [&[T]; TILE_ROWS] {
+    let mut rows: [&[T]; TILE_ROWS] = [&[]; TILE_ROWS];
     for (row, x) in rows.iter_mut().zip(x[i * k..(i + n) * k].chunks_exact(k)) {
         *row = x;
     }

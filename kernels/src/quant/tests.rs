@@ -961,9 +961,10 @@ fn float_kernels_match_the_portable_code_bit_for_bit() {
     }
 }
 
-/// The `vdpbf16ps` tile over BF16 weight `rows` (as stored) and two register tiles of
+/// The `vdpbf16ps` tiles over BF16 weight `rows` (as stored) and two register tiles of
 /// activation rows made from `raw_x`, and its one-row dot product on the same column-order
-/// activations, give every pair the portable dot product's bits.
+/// activations, give every pair the portable dot product's bits; so does the eight-row
+/// tile, on those rows and four more, for every count of activation rows up to eight.
 fn assert_bf16_tile(pairs: float::PairTiles, rows: &[(Vec<u8>, Vec<f32>)], raw_x: &[f32]) {
     let format = FloatFormat::BF16;
     let n = raw_x.len();
@@ -993,6 +994,20 @@ fn assert_bf16_tile(pairs: float::PairTiles, rows: &[(Vec<u8>, Vec<f32>)], raw_x
             want,
             "{n} values, vdpbf16ps tile row {a}"
         );
+    }
+    let more: Vec<Vec<u8>> = (4..8).map(|s| float_row(format, n, s).0).collect();
+    let eight: [&[u8]; 8] = std::array::from_fn(|r| if r < 4 { w[r] } else { &more[r - 4][..] });
+    for count in 1..=x.len() {
+        let mut wide = [[f32::NAN; 8]; 8];
+        pairs.tile8(eight, &x[..count], &[], &mut wide[..count]);
+        for (a, got) in wide[..count].iter().enumerate() {
+            let want = eight.map(|w| float::dot_portable(format, w, &acts[order[a]]).to_bits());
+            assert_eq!(
+                got.map(f32::to_bits),
+                want,
+                "{n} values, vdpbf16ps eight-row tile of {count}, activation row {a}"
+            );
+        }
     }
     // The one-row product on column-order activations gives the same bits.
     for (c, a) in columns.iter().zip(&acts) {

@@ -9,10 +9,10 @@
 use std::arch::x86_64::*;
 
 use super::super::float::{
-    bf16_to_f32, finish, shares, tile_columns, FloatFormat, LANES, PAIR_BLOCK, TILE_ROWS,
+    bf16_to_f32, finish, shares, tile_columns, FloatFormat, PairTiles, LANES, PAIR_BLOCK, TILE_ROWS,
 };
 use super::super::sse2::Carry;
-use super::float::{fold, fold4, load};
+use super::float::{fold, fold4, load, tile8_split};
 use crate::cpu::Avx512Bf16;
 
 /// Columns each of a tile's passes covers before the next activation rows' turn (a multiple
@@ -99,49 +99,91 @@ pub(crate) fn tile(
     let _ = cpu;
     tile_columns(w.map(|w| w.len() / 2), x, out.len(), 4);
     // SAFETY: `cpu` proves AVX-512 F and BF16; every row holds as many values as `x[0]`.
-    unsafe { tile_bf16(w, x, ahead, out) }
+    unsafe { tile_bf16::<4, 4>(w, x, ahead, out) }
 }
 
+/// Eight BF16 weight rows (as stored) against activation rows `x` (BF16 bits in column
+/// order, any number, at most [`TILE_ROWS`]): `out[a][r]`, each [`dot`]'s result. [`tile`]'s
+/// passes with eight weight rows by three activation rows (24 accumulators), the rows left
+/// after the threes two at a time (or the last one alone), as the F16 eight-row tile splits
+/// them ([`tile8_split`]): each activation vector meets eight weight vectors where it met
+/// four, eleven loads per 24 `vdpbf16ps` where [`tile`] takes eight per 16.
+pub(crate) fn tile8(
+    cpu: Avx512Bf16,
+    w: [&[u8]; 8],
+    x: &[&[u16]],
+    ahead: &[u8],
+    out: &mut [[f32; 8]],
+) {
+    let _ = cpu;
+    tile_columns(w.map(|w| w.len() / 2), x, out.len(), 1);
+    const A: usize = PairTiles::EIGHT_ROW_PASS;
+    let whole = tile8_split::<A>(x.len());
+    let (x, rest) = x.split_at(whole);
+    let (out, out_rest) = out.split_at_mut(whole);
+    let (ahead, ahead_rest) = ahead.split_at(ahead.len() * whole / (whole + rest.len()).max(1));
+    // SAFETY: `cpu` proves AVX-512 F and BF16; every row holds as many values as `x[0]`; at
+    // most five groups of three rows, then the one row left or one or two groups of two.
+    unsafe {
+        if !x.is_empty() {
+            tile_bf16::<8, A>(w, x, ahead, out);
+        }
+        match rest.len() {
+            0 => {}
+            1 => tile_bf16::<8, 1>(w, rest, ahead_rest, out_rest),
+            _ => tile_bf16::<8, 2>(w, rest, ahead_rest, out_rest),
+        }
+    }
+}
+
+/// `R` BF16 weight rows (a multiple of four) against activation rows `x`, `A` at a time
+/// (`R · A` accumulators, at most 24). Each quarter's passes over all the activation rows
+/// run one after the other, as the f32 tiles' do, so the weight lines a quarter reads are
+/// met again from L1 by every group of rows; with the groups outermost, eight rows' block
+/// (32 KiB) and a group's activation lines together no longer fit it.
+///
 /// # Safety
 /// Every row of `w` and `x` must hold `x[0].len()` BF16 values; `x` holds a multiple of
-/// four rows, at most [`TILE_ROWS`].
+/// `A` rows, at most [`TILE_ROWS`], and at most `TILE_ROWS / 2` groups of `A`.
 #[target_feature(enable = "avx512f,avx512bf16")]
-unsafe fn tile_bf16(w: [&[u8]; 4], x: &[&[u16]], ahead: &[u8], out: &mut [[f32; 4]]) {
+unsafe fn tile_bf16<const R: usize, const A: usize>(
+    w: [&[u8]; R],
+    x: &[&[u16]],
+    ahead: &[u8],
+    out: &mut [[f32; R]],
+) {
     let k = x[0].len();
     let paired = k / PAIR_BLOCK * PAIR_BLOCK;
     let whole = k / LANES * LANES;
-    let wp = [w[0].as_ptr(), w[1].as_ptr(), w[2].as_ptr(), w[3].as_ptr()];
-    let tiles = x.len() / 4;
-    // `part[t][q]`, `[a][r]` of it: quarter `q`'s partial sums of activation row `4t + a` by
-    // weight row `r`, carried from one block of columns to the next.
-    let mut part = [[Carry::UNSET; 4]; TILE_ROWS / 4];
+    let wp: [*const u8; R] = std::array::from_fn(|r| w[r].as_ptr());
+    let tiles = x.len() / A;
+    // `part[t][q]`, `[a][r]` of it: quarter `q`'s partial sums of activation row `A t + a`
+    // by weight row `r`, carried from one block of columns to the next.
+    let mut part = [[Carry::<[[__m512; R]; A]>::UNSET; 4]; TILE_ROWS / 2];
     // At least one block, so every carry is put, even with no whole pair block.
     let blocks = paired.div_ceil(BLOCK).max(1);
     let mut ahead = shares(ahead, 4 * tiles * blocks);
     for b in 0..blocks {
         let (from, to) = (b * BLOCK, ((b + 1) * BLOCK).min(paired));
-        for (t, part) in part.iter_mut().take(tiles).enumerate() {
-            let xp: [*const u16; 4] = std::array::from_fn(|a| x[4 * t + a].as_ptr());
-            for (q, part) in part.iter_mut().enumerate() {
+        for q in 0..4 {
+            for (t, part) in part.iter_mut().take(tiles).enumerate() {
+                let xp: [*const u16; A] = std::array::from_fn(|a| x[A * t + a].as_ptr());
+                let part = &mut part[q];
                 for line in ahead.next().unwrap_or_default().chunks(64) {
                     _mm_prefetch::<_MM_HINT_T0>(line.as_ptr().cast());
                 }
                 // SAFETY: the first block's pass put every carry the later ones start from.
-                let mut acc = unsafe { part.start(b == 0, [[_mm512_setzero_ps(); 4]; 4]) };
+                let mut acc = unsafe { part.start(b == 0, [[_mm512_setzero_ps(); R]; A]) };
                 let mut i = from + 32 * q;
                 while i < to {
                     // SAFETY: columns `i .. i + 32 <= to <= k` of every row.
                     unsafe {
-                        let wv = [
-                            bh(_mm512_loadu_si512(wp[0].add(2 * i).cast())),
-                            bh(_mm512_loadu_si512(wp[1].add(2 * i).cast())),
-                            bh(_mm512_loadu_si512(wp[2].add(2 * i).cast())),
-                            bh(_mm512_loadu_si512(wp[3].add(2 * i).cast())),
-                        ];
-                        for a in 0..4 {
-                            let xv = bh(_mm512_loadu_si512(xp[a].add(i).cast()));
-                            for r in 0..4 {
-                                acc[a][r] = _mm512_dpbf16_ps(acc[a][r], wv[r], xv);
+                        let xv: [__m512bh; A] =
+                            std::array::from_fn(|a| bh(_mm512_loadu_si512(xp[a].add(i).cast())));
+                        for r in 0..R {
+                            let wv = bh(_mm512_loadu_si512(wp[r].add(2 * i).cast()));
+                            for (acc, &xv) in acc.iter_mut().zip(&xv) {
+                                acc[r] = _mm512_dpbf16_ps(acc[r], wv, xv);
                             }
                         }
                     }
@@ -156,16 +198,16 @@ unsafe fn tile_bf16(w: [&[u8]; 4], x: &[&[u16]], ahead: &[u8], out: &mut [[f32; 
         for (t, part) in part.iter_mut().take(tiles).enumerate() {
             for (q, part) in part.iter_mut().enumerate() {
                 let i = paired + 16 * q;
-                // SAFETY: the blocks put the carries of the first `tiles` quads.
+                // SAFETY: the blocks put the carries of the first `tiles` groups.
                 let mut sums = unsafe { *part.sums() };
-                for a in 0..4 {
+                for (a, sums) in sums.iter_mut().enumerate() {
                     // SAFETY: columns `i .. i + 16 <= whole <= k` of every row; activation
                     // bits are BF16's little-endian bytes.
                     unsafe {
-                        let xv = load(FloatFormat::BF16, x[4 * t + a].as_ptr().cast(), i);
-                        for r in 0..4 {
+                        let xv = load(FloatFormat::BF16, x[A * t + a].as_ptr().cast(), i);
+                        for (r, sum) in sums.iter_mut().enumerate() {
                             let wv = load(FloatFormat::BF16, wp[r], i);
-                            sums[a][r] = _mm512_fmadd_ps(wv, xv, sums[a][r]);
+                            *sum = _mm512_fmadd_ps(wv, xv, *sum);
                         }
                     }
                 }
@@ -174,15 +216,18 @@ unsafe fn tile_bf16(w: [&[u8]; 4], x: &[&[u16]], ahead: &[u8], out: &mut [[f32; 
         }
     }
     for (t, part) in part.iter().take(tiles).enumerate() {
-        // SAFETY: the blocks put the carries of the first `tiles` quads.
-        let part: [&[[__m512; 4]; 4]; 4] = std::array::from_fn(|q| unsafe { part[q].sums() });
-        for a in 0..4 {
-            let xa = x[4 * t + a];
-            let folded = fold4(std::array::from_fn(|r| {
-                [part[0][a][r], part[1][a][r], part[2][a][r], part[3][a][r]]
-            }));
-            for (r, folded) in folded.into_iter().enumerate() {
-                out[4 * t + a][r] = with_tail(folded, w[r], xa, whole);
+        // SAFETY: the blocks put the carries of the first `tiles` groups.
+        let part: [&[[__m512; R]; A]; 4] = std::array::from_fn(|q| unsafe { part[q].sums() });
+        for a in 0..A {
+            let xa = x[A * t + a];
+            for g in (0..R).step_by(4) {
+                let folded = fold4(std::array::from_fn(|r| {
+                    let r = g + r;
+                    [part[0][a][r], part[1][a][r], part[2][a][r], part[3][a][r]]
+                }));
+                for (r, folded) in (g..).zip(folded) {
+                    out[A * t + a][r] = with_tail(folded, w[r], xa, whole);
+                }
             }
         }
     }

@@ -314,10 +314,8 @@ pub(crate) const fn tile8_pass_rows(format: FloatFormat) -> usize {
     }
 }
 
-/// [`tile8_stored`] with activation rows `A` at a time, then two at a time for the rest: a
-/// single row left after threes goes with the last three as two twos (eight by one reads
-/// each weight vector for one multiply-add), and is left alone only where there is no
-/// three before it or `A` is two.
+/// [`tile8_stored`] with activation rows `A` at a time as [`tile8_split`] divides them,
+/// then two at a time for the rest (or the last one alone).
 ///
 /// # Safety
 /// The CPU must have AVX-512 F; every row of `w` and `x` must hold `x[0].len()` values; `x`
@@ -330,10 +328,7 @@ unsafe fn tile8_groups<const A: usize>(
     ahead: &[u8],
     out: &mut [[f32; 8]],
 ) {
-    let mut whole = x.len() / A * A;
-    if A == 3 && x.len() - whole == 1 && whole > 0 {
-        whole -= 3;
-    }
+    let whole = tile8_split::<A>(x.len());
     let (x, rest) = x.split_at(whole);
     let (out, out_rest) = out.split_at_mut(whole);
     let (ahead, ahead_rest) = ahead.split_at(ahead.len() * whole / (whole + rest.len()).max(1));
@@ -348,6 +343,19 @@ unsafe fn tile8_groups<const A: usize>(
             0 => {}
             _ => tile_rows_stored::<8, 2>(format, w, rest, ahead_rest, BLOCK8, out_rest),
         }
+    }
+}
+
+/// How many of `n` activation rows an eight-row tile takes `A` at a time, the rest going
+/// two at a time: a single row left after threes goes with the last three as two twos
+/// (eight by one reads each weight vector for one multiply-add), and is left alone only
+/// where there is no three before it or `A` is two.
+pub(super) const fn tile8_split<const A: usize>(n: usize) -> usize {
+    let whole = n / A * A;
+    if A == 3 && n - whole == 1 && whole > 0 {
+        whole - 3
+    } else {
+        whole
     }
 }
 

@@ -12,7 +12,7 @@ use super::super::float::{
     bf16_to_f32, finish, shares, tile_columns, FloatFormat, PairTiles, LANES, PAIR_BLOCK, TILE_ROWS,
 };
 use super::super::sse2::Carry;
-use super::float::{fold, fold4, load, tile8_split};
+use super::float::{fold, fold_quarters, load, tile8_parts};
 use crate::cpu::Avx512Bf16;
 
 /// Columns each of a tile's passes covers before the next activation rows' turn (a multiple
@@ -106,7 +106,7 @@ pub(crate) fn tile(
 /// order, any number, at most [`TILE_ROWS`]): `out[a][r]`, each [`dot`]'s result. [`tile`]'s
 /// passes with eight weight rows by three activation rows (24 accumulators), the rows left
 /// after the threes two at a time (or the last one alone), as the F16 eight-row tile splits
-/// them ([`tile8_split`]): each activation vector meets eight weight vectors where it met
+/// them ([`tile8_parts`]): each activation vector meets eight weight vectors where it met
 /// four, eleven loads per 24 `vdpbf16ps` where [`tile`] takes eight per 16.
 pub(crate) fn tile8(
     cpu: Avx512Bf16,
@@ -118,22 +118,18 @@ pub(crate) fn tile8(
     let _ = cpu;
     tile_columns(w.map(|w| w.len() / 2), x, out.len(), 1);
     const A: usize = PairTiles::EIGHT_ROW_PASS;
-    let whole = tile8_split::<A>(x.len());
-    let (x, rest) = x.split_at(whole);
-    let (out, out_rest) = out.split_at_mut(whole);
-    let (ahead, ahead_rest) = ahead.split_at(ahead.len() * whole / (whole + rest.len()).max(1));
-    // SAFETY: `cpu` proves AVX-512 F and BF16; every row holds as many values as `x[0]`; at
-    // most five groups of three rows, then the one row left or one or two groups of two.
-    unsafe {
-        if !x.is_empty() {
-            tile_bf16::<8, A>(w, x, ahead, out);
+    tile8_parts::<_, A, 8>(x, ahead, out, |rows, x, ahead, out| {
+        // SAFETY: `cpu` proves AVX-512 F and BF16; every row holds as many values as
+        // `x[0]`; at most five groups of three rows, then the one row left or one or two
+        // groups of two.
+        unsafe {
+            match rows {
+                1 => tile_bf16::<8, 1>(w, x, ahead, out),
+                2 => tile_bf16::<8, 2>(w, x, ahead, out),
+                _ => tile_bf16::<8, A>(w, x, ahead, out),
+            }
         }
-        match rest.len() {
-            0 => {}
-            1 => tile_bf16::<8, 1>(w, rest, ahead_rest, out_rest),
-            _ => tile_bf16::<8, 2>(w, rest, ahead_rest, out_rest),
-        }
-    }
+    });
 }
 
 /// `R` BF16 weight rows (a multiple of four) against activation rows `x`, `A` at a time
@@ -218,17 +214,8 @@ unsafe fn tile_bf16<const R: usize, const A: usize>(
     for (t, part) in part.iter().take(tiles).enumerate() {
         // SAFETY: the blocks put the carries of the first `tiles` groups.
         let part: [&[[__m512; R]; A]; 4] = std::array::from_fn(|q| unsafe { part[q].sums() });
-        for a in 0..A {
-            let xa = x[A * t + a];
-            for g in (0..R).step_by(4) {
-                let folded = fold4(std::array::from_fn(|r| {
-                    let r = g + r;
-                    [part[0][a][r], part[1][a][r], part[2][a][r], part[3][a][r]]
-                }));
-                for (r, folded) in (g..).zip(folded) {
-                    out[A * t + a][r] = with_tail(folded, w[r], xa, whole);
-                }
-            }
-        }
+        fold_quarters(part, |a, r, folded| {
+            out[A * t + a][r] = with_tail(folded, w[r], x[A * t + a], whole);
+        });
     }
 }

@@ -328,21 +328,38 @@ unsafe fn tile8_groups<const A: usize>(
     ahead: &[u8],
     out: &mut [[f32; 8]],
 ) {
+    tile8_parts::<_, A, 8>(x, ahead, out, |rows, x, ahead, out| {
+        // SAFETY: as the caller guarantees; at most eight groups of `A` rows, then the one
+        // row left or one or two groups of two.
+        unsafe {
+            match rows {
+                1 => tile_rows_stored::<8, 1>(format, w, x, ahead, BLOCK8, out),
+                2 => tile_rows_stored::<8, 2>(format, w, x, ahead, BLOCK8, out),
+                _ => tile_rows_stored::<8, A>(format, w, x, ahead, BLOCK8, out),
+            }
+        }
+    });
+}
+
+/// An eight-row tile's activation rows `x` in the calls its register tiles take:
+/// `run(rows, x, ahead, out)` for the rows [`tile8_split`] gives `A` at a time (`rows` is
+/// `A`), then for the rest two at a time, or the last one alone (`rows` is 2 or 1), each
+/// with its outputs and its share of `ahead`.
+pub(super) fn tile8_parts<T, const A: usize, const R: usize>(
+    x: &[&[T]],
+    ahead: &[u8],
+    out: &mut [[f32; R]],
+    mut run: impl FnMut(usize, &[&[T]], &[u8], &mut [[f32; R]]),
+) {
     let whole = tile8_split::<A>(x.len());
     let (x, rest) = x.split_at(whole);
     let (out, out_rest) = out.split_at_mut(whole);
     let (ahead, ahead_rest) = ahead.split_at(ahead.len() * whole / (whole + rest.len()).max(1));
-    // SAFETY: as the caller guarantees; at most eight groups of `A` rows, then the one row
-    // left or one or two groups of two.
-    unsafe {
-        if !x.is_empty() {
-            tile_rows_stored::<8, A>(format, w, x, ahead, BLOCK8, out);
-        }
-        match rest.len() {
-            1 => tile_rows_stored::<8, 1>(format, w, rest, ahead_rest, BLOCK8, out_rest),
-            0 => {}
-            _ => tile_rows_stored::<8, 2>(format, w, rest, ahead_rest, BLOCK8, out_rest),
-        }
+    if !x.is_empty() {
+        run(A, x, ahead, out);
+    }
+    if !rest.is_empty() {
+        run(rest.len().min(2), rest, ahead_rest, out_rest);
     }
 }
 
@@ -534,17 +551,28 @@ unsafe fn tile_avx512<W: TileRows, const R: usize, const A: usize>(
     for (t, part) in part.iter().take(tiles).enumerate() {
         // SAFETY: the blocks put the carries of the first `tiles` groups of rows.
         let part: [&[[__m512; R]; A]; 4] = std::array::from_fn(|q| unsafe { part[q].sums() });
-        for a in 0..A {
+        fold_quarters(part, |a, r, folded| {
             let xa = x[A * t + a];
-            for g in (0..R).step_by(4) {
-                let folded = fold4(std::array::from_fn(|r| {
-                    let r = g + r;
-                    [part[0][a][r], part[1][a][r], part[2][a][r], part[3][a][r]]
-                }));
-                for (r, folded) in (g..).zip(folded) {
-                    let tail = (whole..k).map(|i| (w.at(r, i), xa[i]));
-                    out[A * t + a][r] = finish(w.format(), folded, tail);
-                }
+            let tail = (whole..k).map(|i| (w.at(r, i), xa[i]));
+            out[A * t + a][r] = finish(w.format(), folded, tail);
+        });
+    }
+}
+
+/// A register tile's quarters of partial sums folded, four weight rows at a time by
+/// [`fold4`]: `put(a, r, folded)` for each activation row `a` and weight row `r`.
+#[inline]
+#[target_feature(enable = "avx512f")]
+pub(super) fn fold_quarters<const R: usize, const A: usize>(
+    part: [&[[__m512; R]; A]; 4],
+    mut put: impl FnMut(usize, usize, f32),
+) {
+    for a in 0..A {
+        let quarters = part.map(|q| &q[a]);
+        for g in (0..R).step_by(4) {
+            let folded = fold4(std::array::from_fn(|r| quarters.map(|q| q[g + r])));
+            for (r, folded) in (g..).zip(folded) {
+                put(a, r, folded);
             }
         }
     }

@@ -835,8 +835,8 @@ impl QuantMatrix {
     /// activation row), the activation rows for long prefills. With more than one
     /// activation row, each group of four weight rows is read as stored by all of them
     /// (BF16 by `vdpbf16ps`; F16 on AVX2 and AVX-512 and BF16 on AVX-512 by tiles that
-    /// widen each vector as they load it, eight rows at a time on AVX-512), or elsewhere
-    /// widened to f32 once and reused from cache for all of them.
+    /// widen each vector as they load it; eight rows at a time on AVX-512, `vdpbf16ps`
+    /// included), or elsewhere widened to f32 once and reused from cache for all of them.
     pub(super) fn matmul_float(&self, format: FloatFormat, x: &[f32], m: usize) -> Buf {
         let mut kernel = FloatKernel::new(cpu::detect());
         // Several rows are read many times over by the tiles: written (as the format reads
@@ -980,8 +980,9 @@ impl QuantMatrix {
             }
             return;
         }
-        // F16 and BF16 rows are widened as the tile loads them where it can, with no copy:
-        // eight rows at a time where the tier has registers for it, then four at a time.
+        // F16 and BF16 rows are read as stored where the tier can (widened as the tile loads
+        // them, or BF16 by `vdpbf16ps`), with no copy: eight rows at a time where the tier
+        // has registers for it, then four at a time.
         let stored = kernel.stored_tiles(format);
         let mut range = range;
         let eight = match pairs {

@@ -1028,8 +1028,8 @@ fn float_matrices_give_every_row_its_single_row_result_in_any_batch() {
         let (bytes, _) = float_row(format, rows * cols, 5);
         let mat =
             QuantMatrix::from_gguf(WeightFormat::Float(format), rows, cols, &bytes).expect("sizes");
-        // 16: one call of the eight-row F16 tile (four threes and two twos, not fifteen
-        // and a single row).
+        // 16: one call of the eight-row F16 and BF16 tiles (four threes and two twos, not
+        // fifteen and a single row).
         let sizes = [
             1,
             2,

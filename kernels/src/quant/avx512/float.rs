@@ -314,7 +314,7 @@ pub(crate) const fn tile8_pass_rows(format: FloatFormat) -> usize {
     }
 }
 
-/// [`tile8_stored`] with activation rows `A` at a time as [`tile8_split`] divides them,
+/// [`tile8_stored`] with activation rows `A` at a time as [`tile8_parts`] divides them,
 /// then two at a time for the rest (or the last one alone).
 ///
 /// # Safety
@@ -342,16 +342,21 @@ unsafe fn tile8_groups<const A: usize>(
 }
 
 /// An eight-row tile's activation rows `x` in the calls its register tiles take:
-/// `run(rows, x, ahead, out)` for the rows [`tile8_split`] gives `A` at a time (`rows` is
-/// `A`), then for the rest two at a time, or the last one alone (`rows` is 2 or 1), each
-/// with its outputs and its share of `ahead`.
+/// `run(rows, x, ahead, out)` for the rows it takes `A` at a time (`rows` is `A`), then for
+/// the rest two at a time, or the last one alone (`rows` is 2 or 1), each with its outputs
+/// and its share of `ahead`. A single row left after threes goes with the last three as
+/// two twos (eight by one reads each weight vector for one multiply-add), and is left alone
+/// only where there is no three before it or `A` is two.
 pub(super) fn tile8_parts<T, const A: usize, const R: usize>(
     x: &[&[T]],
     ahead: &[u8],
     out: &mut [[f32; R]],
     mut run: impl FnMut(usize, &[&[T]], &[u8], &mut [[f32; R]]),
 ) {
-    let whole = tile8_split::<A>(x.len());
+    let mut whole = x.len() / A * A;
+    if A == 3 && x.len() - whole == 1 && whole > 0 {
+        whole -= 3;
+    }
     let (x, rest) = x.split_at(whole);
     let (out, out_rest) = out.split_at_mut(whole);
     let (ahead, ahead_rest) = ahead.split_at(ahead.len() * whole / (whole + rest.len()).max(1));
@@ -360,19 +365,6 @@ pub(super) fn tile8_parts<T, const A: usize, const R: usize>(
     }
     if !rest.is_empty() {
         run(rest.len().min(2), rest, ahead_rest, out_rest);
-    }
-}
-
-/// How many of `n` activation rows an eight-row tile takes `A` at a time, the rest going
-/// two at a time: a single row left after threes goes with the last three as two twos
-/// (eight by one reads each weight vector for one multiply-add), and is left alone only
-/// where there is no three before it or `A` is two.
-pub(super) const fn tile8_split<const A: usize>(n: usize) -> usize {
-    let whole = n / A * A;
-    if A == 3 && n - whole == 1 && whole > 0 {
-        whole - 3
-    } else {
-        whole
     }
 }
 

@@ -417,13 +417,14 @@ impl QuantMatrix {
         let m = x.len() / self.cols;
         let features = cpu::detect();
         match self.format {
-            WeightFormat::K(k) => self.matmul_pairs(
-                x,
-                m,
-                kquant::quantize_row_q8k,
-                kquant_dot(features, k),
-                kquant_tile(features, k).filter(|_| m >= KQUANT_TILE_MIN_ROWS),
-            ),
+            WeightFormat::K(k) => {
+                let tile = kquant_tile(features, k).filter(|_| m >= KQUANT_TILE_MIN_ROWS);
+                let quantize = match tile.is_some() && kquant_tile_reads_pairs(features, k) {
+                    true => kquant::quantize_row_q8k_paired,
+                    false => kquant::quantize_row_q8k,
+                };
+                self.matmul_pairs(x, m, quantize, kquant_dot(features, k), tile)
+            }
             WeightFormat::Float(f) => self.matmul_float(f, x, m),
             _ => {
                 let f = self
@@ -929,6 +930,18 @@ fn kquant_tile(features: cpu::Features, format: KFormat) -> Option<PairTile<kqua
     {
         let _ = (features, format);
         None
+    }
+}
+
+/// Whether [`kquant_tile`]'s tile reads its activation rows in pair order
+/// ([`kquant::quantize_row_q8k_paired`]).
+fn kquant_tile_reads_pairs(features: cpu::Features, format: KFormat) -> bool {
+    #[cfg(target_arch = "x86_64")]
+    return kquant::tile::reads_pairs(features, format);
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        let _ = (features, format);
+        false
     }
 }
 

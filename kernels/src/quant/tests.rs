@@ -1307,6 +1307,26 @@ fn kquant_rows_of(
 }
 
 #[test]
+fn q8_k_bytes_start_on_a_cache_line_in_both_orders_and_in_copies() {
+    // The tiles' 64-byte loads of activation bytes straddle two lines otherwise.
+    for cols in [256, 2048, 5632] {
+        let x: Vec<f32> = (0..cols).map(|i| ((i % 19) as f32 - 9.0) * 0.1).collect();
+        let row = kquant::quantize_row_q8k_paired(&x);
+        let copy = row.clone();
+        for bytes in [&row.qs, &row.paired, &copy.qs, &copy.paired] {
+            assert_eq!(bytes.as_ptr() as usize % 64, 0, "{cols} columns");
+            assert_eq!(bytes.len(), cols);
+        }
+        assert_eq!(copy, row);
+        // Pair order: each 64 bytes' sixteen 4-byte groups alternate between its two chunks.
+        assert_eq!(
+            &row.paired[..8],
+            &[&row.qs[..4], &row.qs[32..36]].concat()[..]
+        );
+    }
+}
+
+#[test]
 fn k_quant_tiles_give_every_pair_its_dot_product_bit_for_bit() {
     let features = cpu::detect();
     // Each tier's tile for a format, if this CPU has the tier.
@@ -1319,6 +1339,16 @@ fn k_quant_tiles_give_every_pair_its_dot_product_bit_for_bit() {
     #[cfg(target_arch = "x86_64")]
     {
         tiers.push(("best", |f| kquant::tile::tile(cpu::detect(), f)));
+        tiers.push(("avx512-vnni", |f| {
+            cpu::detect()
+                .avx512_vnni()
+                .and_then(|cpu| kquant::vnni::tile(cpu, f))
+        }));
+        tiers.push(("avx512", |f| {
+            cpu::detect()
+                .avx512()
+                .map(|cpu| kquant::tile::tile_avx512(cpu, f))
+        }));
         tiers.push(("avx2", |f| {
             cpu::detect()
                 .avx2()
@@ -1374,7 +1404,8 @@ fn k_quant_tiles_give_every_pair_its_dot_product_bit_for_bit() {
                         true => 1.0,
                     })
                     .collect();
-                kquant::quantize_row_q8k(&x)
+                // With its bytes in pair order too, for the AVX-512 VNNI tile.
+                kquant::quantize_row_q8k_paired(&x)
             })
             .collect();
         if extreme {
@@ -1386,7 +1417,7 @@ fn k_quant_tiles_give_every_pair_its_dot_product_bit_for_bit() {
             .collect();
         for (tier, tile) in &tiers {
             let Some(tile) = tile(format) else {
-                eprintln!("{name}: no {tier} tile on this CPU");
+                eprintln!("{name}: no {tier} tile (not on this CPU, or none for the format)");
                 continue;
             };
             for n in [1, 2, 5, 37] {

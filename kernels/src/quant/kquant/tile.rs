@@ -9,7 +9,9 @@
 //! super-block by super-block with ggml's fused multiply-adds on those lanes. The AVX-512
 //! variant multiplies two 32-value chunks per instruction and adds the halves before the
 //! float step. Q3_K's signed values are met as `value + 4`, and `4 * y` taken off per byte
-//! pair: the same i16 ggml forms from its two products.
+//! pair: the same i16 ggml forms from its two products. Where the CPU has AVX-512 VNNI,
+//! Q4_K, Q5_K and Q6_K take [`super::vnni`]'s tile instead, which shares this one's float
+//! step ([`quad_float_step`]) and reduction ([`finish_quads`]).
 
 use std::arch::x86_64::*;
 
@@ -25,24 +27,43 @@ use crate::quant::PairTile;
 
 /// A tile: four weight rows (whole rows of one K-quant format) times every activation row,
 /// `out[a][r]` the product of activation row `a` with weight row `r`.
-type Tile = PairTile<Q8KRow>;
+pub(super) type Tile = PairTile<Q8KRow>;
 
-/// The tile for `format` on the widest tier `features` has, if it has AVX2.
+/// The tile for `format` on the widest tier `features` has, if it has AVX2. Where that is
+/// the AVX-512 VNNI tile ([`reads_pairs`]), its activation rows must carry their bytes in
+/// pair order ([`super::quantize_row_q8k_paired`]).
 pub(crate) fn tile(features: Features, format: KFormat) -> Option<Tile> {
     let avx2 = features.avx2()?;
-    if features.avx512().is_none() {
-        return Some(match features.avx_vnni() {
-            Some(vnni) => tile_avx_vnni(vnni, format),
-            None => tile_avx2(avx2, format),
-        });
+    if let Some(vnni) = features.avx512_vnni() {
+        if let Some(tile) = super::vnni::tile(vnni, format) {
+            return Some(tile);
+        }
     }
-    Some(match format {
+    Some(match (features.avx512(), features.avx_vnni()) {
+        (Some(cpu), _) => tile_avx512(cpu, format),
+        (None, Some(vnni)) => tile_avx_vnni(vnni, format),
+        (None, None) => tile_avx2(avx2, format),
+    })
+}
+
+/// Whether [`tile`]'s tile for `format` reads its activation rows in pair order.
+pub(crate) fn reads_pairs(features: Features, format: KFormat) -> bool {
+    features
+        .avx512_vnni()
+        .is_some_and(|vnni| super::vnni::tile(vnni, format).is_some())
+}
+
+/// The AVX-512 tile without VNNI, the paired tile's fallback for Q4_K, Q5_K and Q6_K and the
+/// tile for Q2_K and Q3_K (the kernel tests check it on AVX-512 VNNI CPUs too).
+pub(crate) fn tile_avx512(cpu: crate::cpu::Avx512, format: KFormat) -> Tile {
+    let _ = cpu;
+    match format {
         KFormat::Q2K => run_avx512::<Q2>,
         KFormat::Q3K => run_avx512::<Q3>,
         KFormat::Q4K => run_avx512::<Q4>,
         KFormat::Q5K => run_avx512::<Q5>,
         KFormat::Q6K => run_avx512::<Q6>,
-    })
+    }
 }
 
 /// The tile on AVX2 alone (the kernel tests check it on AVX-512 CPUs too).
@@ -76,7 +97,7 @@ fn avx2_tile<const VNNI: bool>(format: KFormat) -> Tile {
 /// 32 KiB L1 cache at 32 rows, not at 64. Zen 4, 2 threads, 64 -> 32: 8192 x 2048 Q4_K
 /// against 128 rows 0.55 -> 0.61 GB/s (AVX-512 and AVX2 tiers alike), Q6_K 0.72 -> 0.81;
 /// random 1.1B Q4_K_M prompt processing, 512 tokens 110-111 -> 124-126 tok/s.
-const GROUP: usize = 32;
+pub(super) const GROUP: usize = 32;
 
 fn run_avx2<const F: u8, const VNNI: bool>(
     rows: [&[u8]; 4],
@@ -95,12 +116,12 @@ fn run_avx512<const F: u8>(rows: [&[u8]; 4], acts: &[Q8KRow], out: &mut [[f32; 4
 
 /// A weight row's super-block, unpacked, beyond its values and their scales.
 #[derive(Clone, Copy)]
-struct Scalars {
+pub(super) struct Scalars {
     /// Q4_K and Q5_K: the eight minimums (low half); Q2_K: the sixteen minimums; Q6_K: the
     /// sixteen scales.
-    extra: __m256i,
-    d: f32,
-    dmin: f32,
+    pub(super) extra: __m256i,
+    pub(super) d: f32,
+    pub(super) dmin: f32,
 }
 
 /// One weight row's super-block, unpacked (the AVX2 tile).
@@ -135,7 +156,7 @@ struct PairAcc {
 /// rows 0 and 1's eight lanes in `acc[0]`, rows 2 and 3's in `acc[1]`; in `m`, row `r`'s
 /// Q4_K minimum lanes (or, in lane `4r`, its Q5_K minimums' sum) at lanes `4r..4r + 4`.
 #[derive(Clone, Copy)]
-struct QuadAcc {
+pub(super) struct QuadAcc {
     acc: [__m512; 2],
     m: __m512,
 }
@@ -144,9 +165,25 @@ struct QuadAcc {
 /// lanes against weight rows 0 and 1 of the super-block at hand, kept until rows 2 and 3's
 /// are summed.
 #[derive(Clone, Copy)]
-struct QuadRow {
-    acc: QuadAcc,
-    lanes01: __m512i,
+pub(super) struct QuadRow {
+    pub(super) acc: QuadAcc,
+    pub(super) lanes01: __m512i,
+}
+
+impl QuadRow {
+    /// Nothing accumulated yet.
+    #[inline]
+    #[target_feature(enable = "avx512f")]
+    pub(super) fn zero() -> Self {
+        let zf = _mm512_setzero_ps();
+        QuadRow {
+            acc: QuadAcc {
+                acc: [zf; 2],
+                m: zf,
+            },
+            lanes01: _mm512_setzero_si512(),
+        }
+    }
 }
 
 /// Four weight rows' super-block, unpacked, with what the AVX-512 float step multiplies by.
@@ -159,16 +196,53 @@ struct Quad {
     /// Their scales, laid out as `q`.
     s: [[__m256i; 16]; 2],
     k: [Scalars; 4],
-    /// Rows 0 and 1's `d` (eight lanes each), then rows 2 and 3's.
-    d: [__m512; 2],
+    f: Floats,
+}
+
+/// What the AVX-512 float step multiplies four weight rows' super-block by, for integer
+/// lanes laid out as [`Quad`]'s (rows 0 and 1's eight lanes, then rows 2 and 3's) or as
+/// [`super::vnni`]'s pairs.
+#[derive(Clone, Copy)]
+pub(super) struct Floats {
+    /// Each lane's row's `d`: rows 0 and 1's lanes, then rows 2 and 3's.
+    pub(super) d: [__m512; 2],
     /// The same for `dmin` (Q2_K).
-    dmin: [__m512; 2],
+    pub(super) dmin: [__m512; 2],
     /// Row `r`'s `dmin` at lanes `4r..4r + 4` (Q4_K, Q5_K).
-    dmin4: __m512,
+    pub(super) dmin4: __m512,
     /// Row `r`'s eight i16 minimums in 128-bit lane `r` (Q4_K, Q5_K).
-    mins4: __m512i,
-    /// Rows 0 and 1's `extra`, then rows 2 and 3's (Q2_K, Q6_K).
-    extra2: [__m512i; 2],
+    pub(super) mins4: __m512i,
+    /// Each lane's row's pair of sixteen-value scales, as i16, for that lane's block sums
+    /// (Q6_K), or its minimums (Q2_K).
+    pub(super) extra2: [__m512i; 2],
+}
+
+impl Floats {
+    /// All zero, for a tile to fill.
+    #[inline]
+    #[target_feature(enable = "avx512f")]
+    pub(super) fn zero() -> Self {
+        let (zf, zi) = (_mm512_setzero_ps(), _mm512_setzero_si512());
+        Floats {
+            d: [zf; 2],
+            dmin: [zf; 2],
+            dmin4: zf,
+            mins4: zi,
+            extra2: [zi; 2],
+        }
+    }
+
+    /// Fills the Q4_K and Q5_K minimums' constants from four rows' scalars.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx2")]
+    pub(super) fn set_mins4(&mut self, k: &[Scalars; 4]) {
+        let [a, b, c, d] = [0, 1, 2, 3].map(|r| k[r].dmin);
+        self.dmin4 = _mm512_set_ps(d, d, d, d, c, c, c, c, b, b, b, b, a, a, a, a);
+        let lane = |r: usize| _mm256_castsi256_si128(k[r].extra);
+        let lo = _mm256_set_m128i(lane(1), lane(0));
+        let hi = _mm256_set_m128i(lane(3), lane(2));
+        self.mins4 = _mm512_inserti64x4::<1>(_mm512_castsi256_si512(lo), hi);
+    }
 }
 
 #[inline]
@@ -367,7 +441,7 @@ fn finish<const F: u8>(p: &PairAcc) -> f32 {
 /// Nothing unpacked yet, for the tiles to unpack into.
 #[inline]
 #[target_feature(enable = "avx2")]
-fn no_scalars() -> Scalars {
+pub(super) fn no_scalars() -> Scalars {
     Scalars {
         extra: _mm256_setzero_si256(),
         d: 0.0,
@@ -437,21 +511,17 @@ fn quad_constants<const F: u8>(quad: &mut Quad) {
             _mm256_castps_pd(b),
         ))
     };
-    quad.d = [eight(k[0].d, k[1].d), eight(k[2].d, k[3].d)];
+    let f = &mut quad.f;
+    f.d = [eight(k[0].d, k[1].d), eight(k[2].d, k[3].d)];
     if F == Q2 {
-        quad.dmin = [eight(k[0].dmin, k[1].dmin), eight(k[2].dmin, k[3].dmin)];
+        f.dmin = [eight(k[0].dmin, k[1].dmin), eight(k[2].dmin, k[3].dmin)];
     }
     if F == Q2 || F == Q6 {
         let two = |a: __m256i, b: __m256i| _mm512_inserti64x4::<1>(_mm512_castsi256_si512(a), b);
-        quad.extra2 = [two(k[0].extra, k[1].extra), two(k[2].extra, k[3].extra)];
+        f.extra2 = [two(k[0].extra, k[1].extra), two(k[2].extra, k[3].extra)];
     }
     if F == Q4 || F == Q5 {
-        let [a, b, c, d] = [0, 1, 2, 3].map(|r| k[r].dmin);
-        quad.dmin4 = _mm512_set_ps(d, d, d, d, c, c, c, c, b, b, b, b, a, a, a, a);
-        let lane = |r: usize| _mm256_castsi256_si128(k[r].extra);
-        let lo = _mm256_set_m128i(lane(1), lane(0));
-        let hi = _mm256_set_m128i(lane(3), lane(2));
-        quad.mins4 = _mm512_inserti64x4::<1>(_mm512_castsi256_si512(lo), hi);
+        f.set_mins4(k);
     }
 }
 
@@ -493,39 +563,42 @@ fn quad_sumi<const F: u8>(
 }
 
 /// Four pairs' float step for super-block `i` of activation row `a`, as ggml's dot
-/// product takes it: `sumi` holds rows 0 and 1's lanes, then rows 2 and 3's.
+/// product takes it: `sumi` holds rows 0 and 1's lanes, then rows 2 and 3's, laid out as
+/// `f`'s constants are; `bsums2` lays the row's sixteen block sums out likewise, as pairs of
+/// i16 beside each lane's pair of scales in `f.extra2`.
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx2,fma")]
-fn quad_float_step<const F: u8>(
-    quad: &Quad,
+pub(super) fn quad_float_step<const F: u8>(
+    f: &Floats,
     a: &Q8KRow,
     i: usize,
     mut sumi: [__m512i; 2],
     p: &mut QuadAcc,
+    bsums2: impl Fn(__m256i) -> __m512i,
 ) {
     let ad = a.d[i];
     let bsums = bsums(a, i);
     if F == Q6 {
-        let b2 = _mm512_broadcast_i64x4(bsums);
-        for (s, e) in sumi.iter_mut().zip(&quad.extra2) {
+        let b2 = bsums2(bsums);
+        for (s, e) in sumi.iter_mut().zip(&f.extra2) {
             let sub = _mm512_slli_epi32::<5>(_mm512_madd_epi16(b2, *e));
             *s = _mm512_sub_epi32(*s, sub);
         }
     }
     if F == Q2 {
-        let b2 = _mm512_broadcast_i64x4(bsums);
+        let b2 = bsums2(bsums);
         for h in 0..2 {
-            let dmin = _mm512_mul_ps(_mm512_set1_ps(-ad), quad.dmin[h]);
-            let prod = _mm512_cvtepi32_ps(_mm512_madd_epi16(quad.extra2[h], b2));
+            let dmin = _mm512_mul_ps(_mm512_set1_ps(-ad), f.dmin[h]);
+            let prod = _mm512_cvtepi32_ps(_mm512_madd_epi16(f.extra2[h], b2));
             p.acc[h] = _mm512_fmadd_ps(dmin, prod, p.acc[h]);
         }
     }
-    for ((acc, sumi), d) in p.acc.iter_mut().zip(sumi).zip(quad.d) {
+    for ((acc, sumi), d) in p.acc.iter_mut().zip(sumi).zip(f.d) {
         let d = _mm512_mul_ps(_mm512_set1_ps(ad), d);
         *acc = _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(sumi), *acc);
     }
     if F == Q4 || F == Q5 {
-        let mut prod = _mm512_madd_epi16(quad.mins4, _mm512_broadcast_i32x4(sums32(a, i)));
+        let mut prod = _mm512_madd_epi16(f.mins4, _mm512_broadcast_i32x4(sums32(a, i)));
         if F == Q5 {
             // Each row's four lanes summed into its first (exact integers).
             let swap = _mm512_shuffle_epi32::<0b01_00_11_10>(prod);
@@ -533,7 +606,7 @@ fn quad_float_step<const F: u8>(
             let swap = _mm512_shuffle_epi32::<0b10_11_00_01>(prod);
             prod = _mm512_add_epi32(prod, swap);
         }
-        let dmin = _mm512_mul_ps(_mm512_set1_ps(-ad), quad.dmin4);
+        let dmin = _mm512_mul_ps(_mm512_set1_ps(-ad), f.dmin4);
         p.m = _mm512_fmadd_ps(dmin, _mm512_cvtepi32_ps(prod), p.m);
     }
 }
@@ -545,27 +618,15 @@ fn quad_float_step<const F: u8>(
 fn tile_avx512_body<const F: u8>(rows: [&[u8]; 4], acts: &[Q8KRow], out: &mut [[f32; 4]]) {
     let bytes = format(F).block_bytes();
     let nb = rows[0].len() / bytes;
-    let zf = _mm512_setzero_ps();
-    let zi = _mm512_setzero_si512();
     let z256 = _mm256_setzero_si256();
     let mut quad = Quad {
         q: [[z256; 16]; 2],
         s: [[z256; 16]; 2],
         k: [no_scalars(); 4],
-        d: [zf; 2],
-        dmin: [zf; 2],
-        dmin4: zf,
-        mins4: zi,
-        extra2: [zi; 2],
+        f: Floats::zero(),
     };
     for (group, out) in acts.chunks(GROUP).zip(out.chunks_mut(GROUP)) {
-        let mut rows_state = [QuadRow {
-            acc: QuadAcc {
-                acc: [zf; 2],
-                m: zf,
-            },
-            lanes01: zi,
-        }; GROUP];
+        let mut rows_state = [QuadRow::zero(); GROUP];
         for i in 0..nb {
             for (r, w) in rows.iter().enumerate() {
                 let b = &w[i * bytes..(i + 1) * bytes];
@@ -584,28 +645,48 @@ fn tile_avx512_body<const F: u8>(rows: [&[u8]; 4], acts: &[Q8KRow], out: &mut [[
                 row.lanes01 = lanes
             });
             quad_sumi::<F>(&quad, 1, group, i, &mut rows_state, |act, row, lanes| {
-                quad_float_step::<F>(&quad, act, i, [row.lanes01, lanes], &mut row.acc);
+                let broadcast = |b| _mm512_broadcast_i64x4(b);
+                quad_float_step::<F>(
+                    &quad.f,
+                    act,
+                    i,
+                    [row.lanes01, lanes],
+                    &mut row.acc,
+                    broadcast,
+                );
             });
         }
-        for (o, p) in out.iter_mut().zip(rows_state.iter().map(|r| &r.acc)) {
-            let mut acc = [0f32; 32];
-            let mut m = [0f32; 16];
-            // SAFETY: `acc` holds two vectors of sixteen f32 and `m` one; unaligned stores.
-            unsafe {
-                _mm512_storeu_ps(acc.as_mut_ptr(), p.acc[0]);
-                _mm512_storeu_ps(acc[16..].as_mut_ptr(), p.acc[1]);
-                _mm512_storeu_ps(m.as_mut_ptr(), p.m);
-            }
-            for (r, o) in o.iter_mut().enumerate() {
-                let lanes: [f32; 8] = std::array::from_fn(|l| acc[8 * r + l]);
-                let m = &m[4 * r..4 * r + 4];
-                *o = hsum8(lanes)
-                    + match F {
-                        Q4 => (m[0] + m[2]) + (m[1] + m[3]),
-                        Q5 => m[0],
-                        _ => 0.0,
-                    };
-            }
+        finish_quads::<F>(&rows_state, out, |r, l| 8 * r + l);
+    }
+}
+
+/// Each activation row's four results from its accumulators, reduced as ggml reduces a
+/// pair's: `lane(r, l)` is where row `r`'s lane `l` (of ggml's eight) lies in `acc`.
+#[inline]
+#[target_feature(enable = "avx512f")]
+pub(super) fn finish_quads<const F: u8>(
+    states: &[QuadRow],
+    out: &mut [[f32; 4]],
+    lane: impl Fn(usize, usize) -> usize,
+) {
+    for (o, p) in out.iter_mut().zip(states.iter().map(|r| &r.acc)) {
+        let mut acc = [0f32; 32];
+        let mut m = [0f32; 16];
+        // SAFETY: `acc` holds two vectors of sixteen f32 and `m` one; unaligned stores.
+        unsafe {
+            _mm512_storeu_ps(acc.as_mut_ptr(), p.acc[0]);
+            _mm512_storeu_ps(acc[16..].as_mut_ptr(), p.acc[1]);
+            _mm512_storeu_ps(m.as_mut_ptr(), p.m);
+        }
+        for (r, o) in o.iter_mut().enumerate() {
+            let lanes: [f32; 8] = std::array::from_fn(|l| acc[lane(r, l)]);
+            let m = &m[4 * r..4 * r + 4];
+            *o = hsum8(lanes)
+                + match F {
+                    Q4 => (m[0] + m[2]) + (m[1] + m[3]),
+                    Q5 => m[0],
+                    _ => 0.0,
+                };
         }
     }
 }

@@ -1,0 +1,278 @@
+//! The AVX-512 VNNI K-quant tile for Q4_K, Q5_K and Q6_K: four weight rows against many
+//! activation rows, each pair's result ggml's dot product bit for bit, in fewer multiplies
+//! than [`super::tile`]'s AVX-512 tile.
+//!
+//! ggml's lane `l` of a pair (weight row, activation row) sums, over a super-block's eight
+//! 32-value chunks `c`, the chunk's scale times `D(c, l)`, the four products of bytes
+//! `4l..4l + 4`. One `vpdpbusd` gives the `D`s of two chunks of one weight row (16 lanes);
+//! they fit in i16 (at most 4 · 63 · 127), so `vpackssdw` packs two rows' into i16 pairs
+//! `(D(c, l), D(c + 1, l))`, and one `vpdpwssd` multiplies each pair by its two scales and
+//! adds both to the lane: three multiplies per two chunks of two rows, where `maddubs` and
+//! `madd` take four. The integers are exact, so each lane holds ggml's sum.
+//!
+//! For the pairs to land in one i32 lane, the two chunks' 4-byte groups alternate: weight and
+//! activation bytes alike are laid out in [`super::pair_order`] (the activation rows once
+//! per product, in [`super::Q8KRow::paired`]; the weight rows as they are unpacked). The
+//! tile's lane `4g + j` (for `g` in 0..4, `j` in 0..4) then holds weight row `2h + j / 2`'s
+//! ggml lane `2g + j % 2`; its float constants are laid out alike, and the results are read
+//! back in ggml's order.
+//!
+//! Each activation super-block is four 64-byte loads per two weight rows, so the pair-order
+//! bytes start on a cache line ([`super::LineBytes`]): 16 bytes past one, every load
+//! straddles two lines and the tile ran no faster than [`super::tile`]'s. On the line, AMD
+//! EPYC (Zen 5), 2 threads, random 1.1B Q4_K_M, alternating with the AVX-512 tile:
+//! 512-token prompts 214–220 -> 257–263 tok/s, a 16-request decode step's weight products
+//! 80–88 -> 67 ms.
+
+use std::arch::x86_64::*;
+
+use super::avx2::{k4_scales_mins, k4_values, load32, q6k_values};
+use super::tile::{finish_quads, no_scalars, quad_float_step, Floats, QuadRow, Scalars, GROUP};
+use super::{f16_at, format, KFormat, Q8KRow, Q4, Q5, Q6, QK_K};
+
+/// Where weight row `r`'s ggml lane `l` lies in the tile's accumulators (two vectors of
+/// sixteen lanes, rows 0 and 1 in the first).
+fn lane_of(r: usize, l: usize) -> usize {
+    16 * (r / 2) + 4 * (l / 2) + 2 * (r % 2) + l % 2
+}
+
+/// Word indices that gather, from sixteen i16 scales of row `2h` then sixteen of row
+/// `2h + 1`, lane `4g + j`'s pair of scales for chunks `2p` and `2p + 1`: Q4_K and Q5_K have
+/// one scale per chunk (the first eight words), Q6_K one per sixteen values, so lanes 4–7
+/// of a chunk take its second.
+const fn scale_index(per_sixteen: bool) -> [[u16; 32]; 4] {
+    let mut idx = [[0u16; 32]; 4];
+    let mut p = 0;
+    while p < 4 {
+        let mut lane = 0;
+        while lane < 16 {
+            let (g, j) = (lane / 4, lane % 4);
+            let (row, l) = (j / 2, 2 * g + j % 2);
+            let mut t = 0;
+            while t < 2 {
+                let chunk = 2 * p + t;
+                let scale = if per_sixteen {
+                    2 * chunk + (l >= 4) as usize
+                } else {
+                    chunk
+                };
+                idx[p][2 * lane + t] = (16 * row + scale) as u16;
+                t += 1;
+            }
+            lane += 1;
+        }
+        p += 1;
+    }
+    idx
+}
+
+const SCALES_PER_CHUNK: [[u16; 32]; 4] = scale_index(false);
+const SCALES_PER_SIXTEEN: [[u16; 32]; 4] = scale_index(true);
+
+/// Word indices that gather, from row `2h`'s sixteen Q6_K scales then row `2h + 1`'s, lane
+/// `4g + j`'s two (those of its sixteen-value blocks `2l` and `2l + 1`).
+const fn block_scale_index() -> [u16; 32] {
+    let mut idx = [0u16; 32];
+    let mut lane = 0;
+    while lane < 16 {
+        let (g, j) = (lane / 4, lane % 4);
+        let (row, l) = (j / 2, 2 * g + j % 2);
+        idx[2 * lane] = (16 * row + 2 * l) as u16;
+        idx[2 * lane + 1] = (16 * row + 2 * l + 1) as u16;
+        lane += 1;
+    }
+    idx
+}
+
+const BLOCK_SCALES: [u16; 32] = block_scale_index();
+
+/// 32-bit indices that gather, from an activation row's sixteen block sums (as eight i32),
+/// lane `4g + j`'s two: those of its ggml lane `2g + j % 2`.
+const BLOCK_SUMS: [u32; 16] = {
+    let mut idx = [0u32; 16];
+    let mut lane = 0;
+    while lane < 16 {
+        idx[lane] = (2 * (lane / 4) + lane % 2) as u32;
+        lane += 1;
+    }
+    idx
+};
+
+/// Four weight rows' super-block, unpacked in pair order, with what the float step
+/// multiplies by.
+#[repr(C, align(64))]
+struct Pairs {
+    /// Row `2h + k % 2`'s chunks `2p` and `2p + 1` (`p = k / 2`) at `w[h][k]`, in pair order.
+    w: [[__m512i; 8]; 2],
+    /// For chunks `2p` and `2p + 1`, each lane's two scales at `s[h][p]`.
+    s: [[__m512i; 4]; 2],
+    /// Each row's scales as sixteen i16 (Q4_K and Q5_K: eight, twice).
+    scales: [__m256i; 4],
+    k: [Scalars; 4],
+    f: Floats,
+}
+
+/// A word-index vector's 32 indices.
+#[inline]
+#[target_feature(enable = "avx512f")]
+fn words(idx: &[u16; 32]) -> __m512i {
+    // SAFETY: `idx` is 64 bytes; the load is unaligned.
+    unsafe { _mm512_loadu_si512(idx.as_ptr().cast()) }
+}
+
+/// Chunks `c` (`lo`) and `c + 1` (`hi`) in pair order: 4-byte group `L` from group `L / 2`
+/// of `lo` (`L` even) or of `hi` (`L` odd).
+#[inline]
+#[target_feature(enable = "avx512f,avx2")]
+fn interleave(lo: __m256i, hi: __m256i) -> __m512i {
+    let idx = _mm512_set_epi32(23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+    _mm512_permutex2var_epi32(_mm512_zextsi256_si512(lo), idx, _mm512_zextsi256_si512(hi))
+}
+
+/// Unpacks super-block `b` of weight row `r` into `pairs`.
+#[inline]
+#[target_feature(enable = "avx512f,avx2")]
+fn unpack<const F: u8>(b: &[u8], r: usize, pairs: &mut Pairs) {
+    let (h, side) = (r / 2, r % 2);
+    let k = &mut pairs.k[r];
+    if F == Q6 {
+        // SAFETY: the super-block's sixteen scale bytes start at 192 of its 210.
+        let scales = unsafe { _mm_loadu_si128(b[192..208].as_ptr().cast()) };
+        k.extra = _mm256_cvtepi8_epi16(scales);
+        pairs.scales[r] = k.extra;
+        for j in 0..QK_K / 128 {
+            let [a, b1, c, d] = q6k_values(b, j);
+            pairs.w[h][4 * j + side] = interleave(a, b1);
+            pairs.w[h][4 * j + 2 + side] = interleave(c, d);
+        }
+        k.d = f16_at(b, 208);
+    } else {
+        let (scales, mins) = k4_scales_mins(b);
+        k.extra = _mm256_zextsi128_si256(mins);
+        pairs.scales[r] = scales;
+        let hbits = (F == Q5).then(|| load32(b, 16));
+        for j in 0..QK_K / 64 {
+            let [lo, hi] = k4_values(b, hbits, j);
+            pairs.w[h][2 * j + side] = interleave(lo, hi);
+        }
+        k.d = f16_at(b, 0);
+        k.dmin = f16_at(b, 2);
+    }
+}
+
+/// Fills `pairs`' scale pairs and float constants from its four rows' scales and scalars.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx2")]
+fn constants<const F: u8>(pairs: &mut Pairs) {
+    let table = if F == Q6 {
+        &SCALES_PER_SIXTEEN
+    } else {
+        &SCALES_PER_CHUNK
+    };
+    for h in 0..2 {
+        let both = _mm512_inserti64x4::<1>(
+            _mm512_castsi256_si512(pairs.scales[2 * h]),
+            pairs.scales[2 * h + 1],
+        );
+        for (s, idx) in pairs.s[h].iter_mut().zip(table) {
+            *s = _mm512_permutexvar_epi16(words(idx), both);
+        }
+        if F == Q6 {
+            pairs.f.extra2[h] = _mm512_permutexvar_epi16(words(&BLOCK_SCALES), both);
+        }
+        // Lane 4g + j is row 2h + j / 2's.
+        let (a, b) = (pairs.k[2 * h].d, pairs.k[2 * h + 1].d);
+        pairs.f.d[h] = _mm512_set_ps(b, b, a, a, b, b, a, a, b, b, a, a, b, b, a, a);
+    }
+    if F == Q4 || F == Q5 {
+        pairs.f.set_mins4(&pairs.k);
+    }
+}
+
+/// The lanes of rows `2h` and `2h + 1` against super-block `i` of each activation row,
+/// handed to `then(act, state, lanes)` with the row's state. The rows' values and scale
+/// pairs (twelve registers) stay in registers for every activation row, which costs one
+/// load per two `vpdpbusd`.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2")]
+fn pair_sumi(
+    pairs: &Pairs,
+    h: usize,
+    acts: &[Q8KRow],
+    i: usize,
+    states: &mut [QuadRow],
+    then: impl Fn(&Q8KRow, &mut QuadRow, __m512i),
+) {
+    let (w, s) = (pairs.w[h], pairs.s[h]);
+    let zero = _mm512_setzero_si512();
+    for (act, state) in acts.iter().zip(states) {
+        let y = &act.paired[i * QK_K..(i + 1) * QK_K];
+        let mut acc = zero;
+        for p in 0..4 {
+            // SAFETY: `y` holds 256 bytes, so 64 from `64 p`; the load is unaligned.
+            let y = unsafe { _mm512_loadu_si512(y[64 * p..].as_ptr().cast()) };
+            let r0 = _mm512_dpbusd_epi32(zero, w[2 * p], y);
+            let r1 = _mm512_dpbusd_epi32(zero, w[2 * p + 1], y);
+            acc = _mm512_dpwssd_epi32(acc, s[p], _mm512_packs_epi32(r0, r1));
+        }
+        then(act, state, acc);
+    }
+}
+
+/// The tile: for each super-block, rows 0 and 1's lanes for every activation row of a
+/// group, then rows 2 and 3's, each row's float step beside the next row's products (as
+/// [`super::tile`]'s AVX-512 tile runs them).
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma")]
+fn tile_body<const F: u8>(rows: [&[u8]; 4], acts: &[Q8KRow], out: &mut [[f32; 4]]) {
+    let bytes = format(F).block_bytes();
+    let nb = rows[0].len() / bytes;
+    let zi = _mm512_setzero_si512();
+    let mut pairs = Pairs {
+        w: [[zi; 8]; 2],
+        s: [[zi; 4]; 2],
+        scales: [_mm256_setzero_si256(); 4],
+        k: [no_scalars(); 4],
+        f: Floats::zero(),
+    };
+    // SAFETY: `BLOCK_SUMS` is sixteen u32 (64 bytes); the load is unaligned.
+    let sums = unsafe { _mm512_loadu_si512(BLOCK_SUMS.as_ptr().cast()) };
+    for (group, out) in acts.chunks(GROUP).zip(out.chunks_mut(GROUP)) {
+        let mut states = [QuadRow::zero(); GROUP];
+        for i in 0..nb {
+            for (r, w) in rows.iter().enumerate() {
+                unpack::<F>(&w[i * bytes..(i + 1) * bytes], r, &mut pairs);
+            }
+            constants::<F>(&mut pairs);
+            pair_sumi(&pairs, 0, group, i, &mut states, |_, row, lanes| {
+                row.lanes01 = lanes
+            });
+            pair_sumi(&pairs, 1, group, i, &mut states, |act, row, lanes| {
+                let spread = |b| _mm512_permutexvar_epi32(sums, _mm512_castsi256_si512(b));
+                quad_float_step::<F>(&pairs.f, act, i, [row.lanes01, lanes], &mut row.acc, spread);
+            });
+        }
+        finish_quads::<F>(&states, out, lane_of);
+    }
+}
+
+/// The tile for Q4_K, Q5_K and Q6_K (`F`), on a CPU with AVX-512 VNNI (`cpu`); its
+/// activation rows must carry [`Q8KRow::paired`].
+pub(crate) fn tile(cpu: crate::cpu::Avx512Vnni, format: KFormat) -> Option<super::tile::Tile> {
+    let _ = cpu;
+    match format {
+        KFormat::Q4K => Some(run::<Q4>),
+        KFormat::Q5K => Some(run::<Q5>),
+        KFormat::Q6K => Some(run::<Q6>),
+        KFormat::Q2K | KFormat::Q3K => None,
+    }
+}
+
+fn run<const F: u8>(rows: [&[u8]; 4], acts: &[Q8KRow], out: &mut [[f32; 4]]) {
+    assert!(
+        acts.iter().all(|a| a.paired.len() == a.qs.len()),
+        "the AVX-512 VNNI K-quant tile reads activation rows in pair order"
+    );
+    // SAFETY: handed out only by `tile`, which saw the AVX-512 VNNI token (AVX-512 F, BW, VL
+    // and VNNI); the assertion keeps every pair-order load inside its row.
+    unsafe { tile_body::<F>(rows, acts, out) }
+}

@@ -17,12 +17,12 @@
 //! ggml lane `2g + j % 2`; its float constants are laid out alike, and the results are read
 //! back in ggml's order.
 //!
-//! Each activation super-block is four 64-byte loads per two weight rows, so the pair-order
+//! Each activation super-block is four 64-byte loads per four weight rows, so the pair-order
 //! bytes start on a cache line ([`super::LineBytes`]): 16 bytes past one, every load
-//! straddles two lines and the tile ran no faster than [`super::tile`]'s. On the line, AMD
-//! EPYC (Zen 5), 2 threads, random 1.1B Q4_K_M, alternating with the AVX-512 tile:
-//! 512-token prompts 214–220 -> 257–263 tok/s, a 16-request decode step's weight products
-//! 80–88 -> 67 ms.
+//! straddles two lines and the tile ran no faster than [`super::tile`]'s. On the line (the
+//! tile then taking two weight rows at a time), AMD EPYC (Zen 5), 2 threads, random 1.1B
+//! Q4_K_M, alternating with the AVX-512 tile: 512-token prompts 214–220 -> 257–263 tok/s, a
+//! 16-request decode step's weight products 80–88 -> 67 ms.
 
 use std::arch::x86_64::*;
 
@@ -189,39 +189,43 @@ fn constants<const F: u8>(pairs: &mut Pairs) {
     }
 }
 
-/// The lanes of rows `2h` and `2h + 1` against super-block `i` of each activation row,
-/// handed to `then(act, state, lanes)` with the row's state. The rows' values and scale
-/// pairs (twelve registers) stay in registers for every activation row, which costs one
-/// load per two `vpdpbusd`.
+/// The lanes of all four rows against super-block `i` of each activation row, handed to
+/// `then(act, state, lanes)` with the row's state: rows 0 and 1's, then rows 2 and 3's. The
+/// rows' values (sixteen registers) stay in registers for every activation row, whose
+/// four 64-byte loads each meet all four rows, as do its state's loads and stores. Against
+/// two rows at a time (the values and scales of two in registers, each activation row
+/// loaded twice), Zen 5, 2 threads, random 1.1B Q4_K_M, alternating: 512-token prompts
+/// 236–257 -> 259–277 tok/s, a 16-request decode step's weight products 72–73 -> 60–64 ms.
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2")]
-fn pair_sumi(
+fn quad_sumi(
     pairs: &Pairs,
-    h: usize,
     acts: &[Q8KRow],
     i: usize,
     states: &mut [QuadRow],
-    then: impl Fn(&Q8KRow, &mut QuadRow, __m512i),
+    then: impl Fn(&Q8KRow, &mut QuadRow, [__m512i; 2]),
 ) {
-    let (w, s) = (pairs.w[h], pairs.s[h]);
+    let w = pairs.w;
     let zero = _mm512_setzero_si512();
     for (act, state) in acts.iter().zip(states) {
         let y = &act.paired[i * QK_K..(i + 1) * QK_K];
-        let mut acc = zero;
+        let mut acc = [zero; 2];
         for p in 0..4 {
             // SAFETY: `y` holds 256 bytes, so 64 from `64 p`; the load is unaligned.
             let y = unsafe { _mm512_loadu_si512(y[64 * p..].as_ptr().cast()) };
-            let r0 = _mm512_dpbusd_epi32(zero, w[2 * p], y);
-            let r1 = _mm512_dpbusd_epi32(zero, w[2 * p + 1], y);
-            acc = _mm512_dpwssd_epi32(acc, s[p], _mm512_packs_epi32(r0, r1));
+            for h in 0..2 {
+                let r0 = _mm512_dpbusd_epi32(zero, w[h][2 * p], y);
+                let r1 = _mm512_dpbusd_epi32(zero, w[h][2 * p + 1], y);
+                acc[h] = _mm512_dpwssd_epi32(acc[h], pairs.s[h][p], _mm512_packs_epi32(r0, r1));
+            }
         }
         then(act, state, acc);
     }
 }
 
-/// The tile: for each super-block, rows 0 and 1's lanes for every activation row of a
-/// group, then rows 2 and 3's, each row's float step beside the next row's products (as
-/// [`super::tile`]'s AVX-512 tile runs them).
+/// The tile: for each super-block, the four rows unpacked, then each activation row of a
+/// group against all four ([`quad_sumi`]) and its float step beside the next row's
+/// products.
 #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma")]
 fn tile_body<const F: u8>(rows: [&[u8]; 4], acts: &[Q8KRow], out: &mut [[f32; 4]]) {
     let bytes = format(F).block_bytes();
@@ -243,12 +247,9 @@ fn tile_body<const F: u8>(rows: [&[u8]; 4], acts: &[Q8KRow], out: &mut [[f32; 4]
                 unpack::<F>(&w[i * bytes..(i + 1) * bytes], r, &mut pairs);
             }
             constants::<F>(&mut pairs);
-            pair_sumi(&pairs, 0, group, i, &mut states, |_, row, lanes| {
-                row.lanes01 = lanes
-            });
-            pair_sumi(&pairs, 1, group, i, &mut states, |act, row, lanes| {
+            quad_sumi(&pairs, group, i, &mut states, |act, row, lanes| {
                 let spread = |b| _mm512_permutexvar_epi32(sums, _mm512_castsi256_si512(b));
-                quad_float_step::<F>(&pairs.f, act, i, [row.lanes01, lanes], &mut row.acc, spread);
+                quad_float_step::<F>(&pairs.f, act, i, lanes, &mut row.acc, spread);
             });
         }
         finish_quads::<F>(&states, out, lane_of);

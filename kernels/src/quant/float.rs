@@ -822,10 +822,11 @@ pub(crate) fn shares(ahead: &[u8], passes: usize) -> std::slice::Chunks<'_, u8> 
     ahead.chunks(64 * ahead.len().div_ceil(64).div_ceil(passes.max(1)).max(1))
 }
 
-/// `len` f32 of `store` (grown as needed) starting on a 64-byte cache line.
-fn aligned(store: &mut Vec<f32>, len: usize) -> &mut [f32] {
-    store.resize(len + 16, 0.0);
-    let at = store.as_ptr().align_offset(64).min(16);
+/// `len` values of `store` (grown as needed) starting on a 64-byte cache line.
+fn aligned<T: Copy + Default>(store: &mut Vec<T>, len: usize) -> &mut [T] {
+    let line = 64 / std::mem::size_of::<T>();
+    store.resize(len + line, T::default());
+    let at = store.as_ptr().align_offset(64).min(line);
     &mut store[at..at + len]
 }
 
@@ -865,8 +866,11 @@ impl QuantMatrix {
             );
         }
         // The `vdpbf16ps` kernels read the activations as BF16 in column order.
-        let columns: Vec<u16> = if kernel.pair_tiles(format).is_some() {
-            let mut cols = vec![0; x.len()];
+        // Read by the `vdpbf16ps` tiles 64 bytes at a time, so on cache lines too: 16 bytes
+        // past one, as a `Vec` put them, each of those loads took two lines.
+        let mut column_store = Vec::new();
+        let columns: &[u16] = if kernel.pair_tiles(format).is_some() {
+            let cols = aligned(&mut column_store, x.len());
             for (c, row) in cols
                 .chunks_exact_mut(self.cols)
                 .zip(x.chunks_exact(self.cols))
@@ -875,7 +879,7 @@ impl QuantMatrix {
             }
             cols
         } else {
-            Vec::new()
+            &[]
         };
         // One activation row, read again for every weight row: the dot products read it as
         // the 16-bit values it holds for F16 and BF16 weights, in half the bytes.
@@ -901,7 +905,7 @@ impl QuantMatrix {
                     let n = dst[0].len();
                     let acts = Acts {
                         x,
-                        columns: &columns,
+                        columns,
                         narrow: narrow.as_ref(),
                     };
                     self.float_rows(
@@ -1097,4 +1101,21 @@ enum Narrow {
     F16(Vec<f16>),
     /// A BF16 product's activations, in pair order.
     BF16(Vec<bf16>),
+}
+
+#[cfg(test)]
+mod tests {
+    use super::aligned;
+
+    #[test]
+    fn aligned_values_start_on_a_cache_line_whatever_their_size() {
+        // The tiles' 64-byte loads of activation rows straddle two lines otherwise.
+        for len in [1, 63, 64, 2048, 5000] {
+            let (mut halves, mut floats) = (Vec::<u16>::new(), Vec::<f32>::new());
+            let h = aligned(&mut halves, len);
+            assert_eq!((h.as_ptr() as usize % 64, h.len()), (0, len));
+            let f = aligned(&mut floats, len);
+            assert_eq!((f.as_ptr() as usize % 64, f.len()), (0, len));
+        }
+    }
 }

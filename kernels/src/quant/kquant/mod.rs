@@ -132,8 +132,15 @@ pub(crate) struct LineBytes {
 }
 
 impl LineBytes {
-    /// `len` zero bytes.
+    /// `len` zero bytes (none allocated for none).
     fn zeroed(len: usize) -> Self {
+        if len == 0 {
+            return LineBytes {
+                store: Vec::new(),
+                at: 0,
+                len,
+            };
+        }
         let store = vec![0; len + 63];
         let at = store.as_ptr().align_offset(64).min(63);
         LineBytes { store, at, len }

@@ -824,9 +824,7 @@ pub(crate) fn shares(ahead: &[u8], passes: usize) -> std::slice::Chunks<'_, u8> 
 
 /// `len` values of `store` (grown as needed) starting on a 64-byte cache line.
 fn aligned<T: Copy + Default>(store: &mut Vec<T>, len: usize) -> &mut [T] {
-    let line = 64 / std::mem::size_of::<T>();
-    store.resize(len + line, T::default());
-    let at = store.as_ptr().align_offset(64).min(line);
+    let at = super::line_start(store, len);
     &mut store[at..at + len]
 }
 

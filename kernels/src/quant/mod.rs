@@ -52,6 +52,15 @@ use portable::{dot_q4_0, dot_q4_1, dot_q8_0, nibbles, quantize_block, tile_porta
 /// Values per quantization block of the 32-value formats.
 pub const BLOCK: usize = 32;
 
+/// Grows (or shrinks) `store` to `len` values and a cache line more, and returns where in
+/// it `len` values start on a 64-byte line: there no vector load of a multiple of its own
+/// size straddles two lines (the activation rows the tiles read again for every weight row).
+pub(crate) fn line_start<T: Copy + Default>(store: &mut Vec<T>, len: usize) -> usize {
+    let line = 64 / std::mem::size_of::<T>();
+    store.resize(len + line, T::default());
+    store.as_ptr().align_offset(64).min(line)
+}
+
 /// Weight formats with a kernel of our own.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum WeightFormat {
@@ -419,11 +428,10 @@ impl QuantMatrix {
         match self.format {
             WeightFormat::K(k) => {
                 let tile = kquant_tile(features, k).filter(|_| m >= KQUANT_TILE_MIN_ROWS);
-                let quantize = match tile.is_some() && kquant_tile_reads_pairs(features, k) {
-                    true => kquant::quantize_row_q8k_paired,
-                    false => kquant::quantize_row_q8k,
-                };
-                self.matmul_pairs(x, m, quantize, kquant_dot(features, k), tile)
+                let plain: fn(&[f32]) -> kquant::Q8KRow = kquant::quantize_row_q8k;
+                let quantize = tile.map_or(plain, |t| t.quantize);
+                let dot = kquant_dot(features, k);
+                self.matmul_pairs(x, m, quantize, dot, tile.map(|t| t.run))
             }
             WeightFormat::Float(f) => self.matmul_float(f, x, m),
             _ => {
@@ -920,28 +928,20 @@ type PairTile<A> = fn([&[u8]; 4], &[A], &mut [[f32; 4]]);
 /// super-block is then unpacked once for all of them rather than once per pair.
 const KQUANT_TILE_MIN_ROWS: usize = 2;
 
-/// The K-quant tile for `format` on the best tier `features` has, if it has one.
-fn kquant_tile(features: cpu::Features, format: KFormat) -> Option<PairTile<kquant::Q8KRow>> {
+/// The K-quant tile for `format` on the best tier `features` has, if it has one, with the
+/// quantizer its activation rows come from.
+fn kquant_tile(features: cpu::Features, format: KFormat) -> Option<kquant::KTile> {
     #[cfg(target_arch = "x86_64")]
     return kquant::tile::tile(features, format);
     #[cfg(target_arch = "aarch64")]
-    return kquant::neon::best_tile(features, format);
+    return kquant::neon::best_tile(features, format).map(|run| kquant::KTile {
+        run,
+        quantize: kquant::quantize_row_q8k,
+    });
     #[cfg(not(any(target_arch = "x86_64", target_arch = "aarch64")))]
     {
         let _ = (features, format);
         None
-    }
-}
-
-/// Whether [`kquant_tile`]'s tile reads its activation rows in pair order
-/// ([`kquant::quantize_row_q8k_paired`]).
-fn kquant_tile_reads_pairs(features: cpu::Features, format: KFormat) -> bool {
-    #[cfg(target_arch = "x86_64")]
-    return kquant::tile::reads_pairs(features, format);
-    #[cfg(not(target_arch = "x86_64"))]
-    {
-        let _ = (features, format);
-        false
     }
 }
 

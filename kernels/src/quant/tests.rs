@@ -1338,7 +1338,9 @@ fn k_quant_tiles_give_every_pair_its_dot_product_bit_for_bit() {
     let mut tiers: Vec<(&str, TileFor)> = Vec::new();
     #[cfg(target_arch = "x86_64")]
     {
-        tiers.push(("best", |f| kquant::tile::tile(cpu::detect(), f)));
+        tiers.push(("best", |f| {
+            kquant::tile::tile(cpu::detect(), f).map(|t| t.run)
+        }));
         tiers.push(("avx512-vnni", |f| {
             cpu::detect()
                 .avx512_vnni()

@@ -101,6 +101,7 @@ pub struct Q8KRow {
 /// group `L` (of sixteen) is group `L / 2` of the first chunk (`L` even) or of the second
 /// (`L` odd). The AVX-512 VNNI tile lays its weight rows out alike, so one `vpdpbusd` leaves
 /// each chunk's sums of four products beside the other's.
+#[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
 pub(crate) fn pair_order(qs: &[i8]) -> LineBytes {
     let mut out = LineBytes::zeroed(qs.len());
     for (to, two) in out.chunks_exact_mut(64).zip(qs.chunks_exact(64)) {
@@ -112,7 +113,22 @@ pub(crate) fn pair_order(qs: &[i8]) -> LineBytes {
     out
 }
 
+/// A K-quant tile (four weight rows against every activation row) with the quantizer its
+/// activation rows must come from.
+#[cfg_attr(
+    not(any(target_arch = "x86_64", target_arch = "aarch64")),
+    allow(dead_code)
+)]
+#[derive(Clone, Copy)]
+pub(crate) struct KTile {
+    pub(crate) run: super::PairTile<Q8KRow>,
+    /// [`quantize_row_q8k`], or [`quantize_row_q8k_paired`] for a tile that reads the bytes
+    /// in pair order.
+    pub(crate) quantize: fn(&[f32]) -> Q8KRow,
+}
+
 /// [`quantize_row_q8k`] with the bytes also in [`pair_order`], for the AVX-512 VNNI tile.
+#[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
 pub(crate) fn quantize_row_q8k_paired(x: &[f32]) -> Q8KRow {
     let mut row = quantize_row_q8k(x);
     row.paired = pair_order(&row.qs);
@@ -126,6 +142,7 @@ pub(crate) fn quantize_row_q8k_paired(x: &[f32]) -> Q8KRow {
 /// its rows 16 bytes past a line, 211 on the line.
 #[derive(Debug)]
 pub(crate) struct LineBytes {
+    /// The bytes and a cache line more ([`super::line_start`]), or nothing for no bytes.
     store: Vec<i8>,
     at: usize,
     len: usize,
@@ -134,15 +151,11 @@ pub(crate) struct LineBytes {
 impl LineBytes {
     /// `len` zero bytes (none allocated for none).
     fn zeroed(len: usize) -> Self {
-        if len == 0 {
-            return LineBytes {
-                store: Vec::new(),
-                at: 0,
-                len,
-            };
-        }
-        let store = vec![0; len + 63];
-        let at = store.as_ptr().align_offset(64).min(63);
+        let mut store = Vec::new();
+        let at = match len {
+            0 => 0,
+            _ => super::line_start(&mut store, len),
+        };
         LineBytes { store, at, len }
     }
 }

@@ -19,7 +19,7 @@ use super::avx2::{
     broadcast_i16, bsums, hsum, k4_scales_mins, k4_values, load32, load_q8, q2k_values, q6k_values,
     scale_halves, split_i16, split_i8, sums32,
 };
-use super::{f16_at, format, scales_q3k, KFormat, Q8KRow, Q2, Q3, Q4, Q5, Q6, QK_K};
+use super::{f16_at, format, scales_q3k, KFormat, KTile, Q8KRow, Q2, Q3, Q4, Q5, Q6, QK_K};
 use crate::cpu::Features;
 use crate::quant::avx2::on_tier;
 use crate::quant::portable::hsum8;
@@ -29,28 +29,24 @@ use crate::quant::PairTile;
 /// `out[a][r]` the product of activation row `a` with weight row `r`.
 pub(super) type Tile = PairTile<Q8KRow>;
 
-/// The tile for `format` on the widest tier `features` has, if it has AVX2. Where that is
-/// the AVX-512 VNNI tile ([`reads_pairs`]), its activation rows must carry their bytes in
-/// pair order ([`super::quantize_row_q8k_paired`]).
-pub(crate) fn tile(features: Features, format: KFormat) -> Option<Tile> {
+/// The tile for `format` on the widest tier `features` has, if it has AVX2, with its
+/// quantizer: the AVX-512 VNNI tile reads its activation rows' bytes in pair order.
+pub(crate) fn tile(features: Features, format: KFormat) -> Option<KTile> {
     let avx2 = features.avx2()?;
-    if let Some(vnni) = features.avx512_vnni() {
-        if let Some(tile) = super::vnni::tile(vnni, format) {
-            return Some(tile);
-        }
+    if let Some(run) = features
+        .avx512_vnni()
+        .and_then(|vnni| super::vnni::tile(vnni, format))
+    {
+        let quantize = super::quantize_row_q8k_paired;
+        return Some(KTile { run, quantize });
     }
-    Some(match (features.avx512(), features.avx_vnni()) {
+    let run = match (features.avx512(), features.avx_vnni()) {
         (Some(cpu), _) => tile_avx512(cpu, format),
         (None, Some(vnni)) => tile_avx_vnni(vnni, format),
         (None, None) => tile_avx2(avx2, format),
-    })
-}
-
-/// Whether [`tile`]'s tile for `format` reads its activation rows in pair order.
-pub(crate) fn reads_pairs(features: Features, format: KFormat) -> bool {
-    features
-        .avx512_vnni()
-        .is_some_and(|vnni| super::vnni::tile(vnni, format).is_some())
+    };
+    let quantize = super::quantize_row_q8k;
+    Some(KTile { run, quantize })
 }
 
 /// The AVX-512 tile without VNNI, the paired tile's fallback for Q4_K, Q5_K and Q6_K and the
@@ -161,29 +157,26 @@ pub(super) struct QuadAcc {
     m: __m512,
 }
 
-/// One activation row's state in the AVX-512 tile: its float accumulators, and its integer
-/// lanes against weight rows 0 and 1 of the super-block at hand, kept until rows 2 and 3's
-/// are summed.
-#[derive(Clone, Copy)]
-pub(super) struct QuadRow {
-    pub(super) acc: QuadAcc,
-    pub(super) lanes01: __m512i,
-}
-
-impl QuadRow {
+impl QuadAcc {
     /// Nothing accumulated yet.
     #[inline]
     #[target_feature(enable = "avx512f")]
     pub(super) fn zero() -> Self {
         let zf = _mm512_setzero_ps();
-        QuadRow {
-            acc: QuadAcc {
-                acc: [zf; 2],
-                m: zf,
-            },
-            lanes01: _mm512_setzero_si512(),
+        QuadAcc {
+            acc: [zf; 2],
+            m: zf,
         }
     }
+}
+
+/// One activation row's state in the AVX-512 tile: its float accumulators, and its integer
+/// lanes against weight rows 0 and 1 of the super-block at hand, kept until rows 2 and 3's
+/// are summed.
+#[derive(Clone, Copy)]
+struct QuadRow {
+    acc: QuadAcc,
+    lanes01: __m512i,
 }
 
 /// Four weight rows' super-block, unpacked, with what the AVX-512 float step multiplies by.
@@ -577,16 +570,15 @@ pub(super) fn quad_float_step<const F: u8>(
     bsums2: impl Fn(__m256i) -> __m512i,
 ) {
     let ad = a.d[i];
-    let bsums = bsums(a, i);
     if F == Q6 {
-        let b2 = bsums2(bsums);
+        let b2 = bsums2(bsums(a, i));
         for (s, e) in sumi.iter_mut().zip(&f.extra2) {
             let sub = _mm512_slli_epi32::<5>(_mm512_madd_epi16(b2, *e));
             *s = _mm512_sub_epi32(*s, sub);
         }
     }
     if F == Q2 {
-        let b2 = bsums2(bsums);
+        let b2 = bsums2(bsums(a, i));
         for h in 0..2 {
             let dmin = _mm512_mul_ps(_mm512_set1_ps(-ad), f.dmin[h]);
             let prod = _mm512_cvtepi32_ps(_mm512_madd_epi16(f.extra2[h], b2));
@@ -626,7 +618,10 @@ fn tile_avx512_body<const F: u8>(rows: [&[u8]; 4], acts: &[Q8KRow], out: &mut [[
         f: Floats::zero(),
     };
     for (group, out) in acts.chunks(GROUP).zip(out.chunks_mut(GROUP)) {
-        let mut rows_state = [QuadRow::zero(); GROUP];
+        let mut rows_state = [QuadRow {
+            acc: QuadAcc::zero(),
+            lanes01: _mm512_setzero_si512(),
+        }; GROUP];
         for i in 0..nb {
             for (r, w) in rows.iter().enumerate() {
                 let b = &w[i * bytes..(i + 1) * bytes];
@@ -656,7 +651,8 @@ fn tile_avx512_body<const F: u8>(rows: [&[u8]; 4], acts: &[Q8KRow], out: &mut [[
                 );
             });
         }
-        finish_quads::<F>(&rows_state, out, |r, l| 8 * r + l);
+        let accs = rows_state.iter().map(|r| &r.acc);
+        finish_quads::<F>(accs, out, |r, l| 8 * r + l);
     }
 }
 
@@ -664,12 +660,12 @@ fn tile_avx512_body<const F: u8>(rows: [&[u8]; 4], acts: &[Q8KRow], out: &mut [[
 /// pair's: `lane(r, l)` is where row `r`'s lane `l` (of ggml's eight) lies in `acc`.
 #[inline]
 #[target_feature(enable = "avx512f")]
-pub(super) fn finish_quads<const F: u8>(
-    states: &[QuadRow],
+pub(super) fn finish_quads<'a, const F: u8>(
+    accs: impl Iterator<Item = &'a QuadAcc>,
     out: &mut [[f32; 4]],
     lane: impl Fn(usize, usize) -> usize,
 ) {
-    for (o, p) in out.iter_mut().zip(states.iter().map(|r| &r.acc)) {
+    for (o, p) in out.iter_mut().zip(accs) {
         let mut acc = [0f32; 32];
         let mut m = [0f32; 16];
         // SAFETY: `acc` holds two vectors of sixteen f32 and `m` one; unaligned stores.

@@ -27,7 +27,7 @@
 use std::arch::x86_64::*;
 
 use super::avx2::{k4_scales_mins, k4_values, load32, q6k_values};
-use super::tile::{finish_quads, no_scalars, quad_float_step, Floats, QuadRow, Scalars, GROUP};
+use super::tile::{finish_quads, no_scalars, quad_float_step, Floats, QuadAcc, Scalars, GROUP};
 use super::{f16_at, format, KFormat, Q8KRow, Q4, Q5, Q6, QK_K};
 
 /// Where weight row `r`'s ggml lane `l` lies in the tile's accumulators (two vectors of
@@ -202,8 +202,8 @@ fn quad_sumi(
     pairs: &Pairs,
     acts: &[Q8KRow],
     i: usize,
-    states: &mut [QuadRow],
-    then: impl Fn(&Q8KRow, &mut QuadRow, [__m512i; 2]),
+    states: &mut [QuadAcc],
+    then: impl Fn(&Q8KRow, &mut QuadAcc, [__m512i; 2]),
 ) {
     let w = pairs.w;
     let zero = _mm512_setzero_si512();
@@ -241,7 +241,7 @@ fn tile_body<const F: u8>(rows: [&[u8]; 4], acts: &[Q8KRow], out: &mut [[f32; 4]
     // SAFETY: `BLOCK_SUMS` is sixteen u32 (64 bytes); the load is unaligned.
     let sums = unsafe { _mm512_loadu_si512(BLOCK_SUMS.as_ptr().cast()) };
     for (group, out) in acts.chunks(GROUP).zip(out.chunks_mut(GROUP)) {
-        let mut states = [QuadRow::zero(); GROUP];
+        let mut states = [QuadAcc::zero(); GROUP];
         for i in 0..nb {
             for (r, w) in rows.iter().enumerate() {
                 unpack::<F>(&w[i * bytes..(i + 1) * bytes], r, &mut pairs);
@@ -249,10 +249,10 @@ fn tile_body<const F: u8>(rows: [&[u8]; 4], acts: &[Q8KRow], out: &mut [[f32; 4]
             constants::<F>(&mut pairs);
             quad_sumi(&pairs, group, i, &mut states, |act, row, lanes| {
                 let spread = |b| _mm512_permutexvar_epi32(sums, _mm512_castsi256_si512(b));
-                quad_float_step::<F>(&pairs.f, act, i, lanes, &mut row.acc, spread);
+                quad_float_step::<F>(&pairs.f, act, i, lanes, row, spread);
             });
         }
-        finish_quads::<F>(&states, out, lane_of);
+        finish_quads::<F>(states.iter(), out, lane_of);
     }
 }
 
@@ -269,11 +269,12 @@ pub(crate) fn tile(cpu: crate::cpu::Avx512Vnni, format: KFormat) -> Option<super
 }
 
 fn run<const F: u8>(rows: [&[u8]; 4], acts: &[Q8KRow], out: &mut [[f32; 4]]) {
-    assert!(
+    debug_assert!(
         acts.iter().all(|a| a.paired.len() == a.qs.len()),
         "the AVX-512 VNNI K-quant tile reads activation rows in pair order"
     );
     // SAFETY: handed out only by `tile`, which saw the AVX-512 VNNI token (AVX-512 F, BW, VL
-    // and VNNI); the assertion keeps every pair-order load inside its row.
+    // and VNNI). Each super-block's pair-order bytes are sliced, bounds-checked, before the
+    // loads within them (a row without them panics there).
     unsafe { tile_body::<F>(rows, acts, out) }
 }

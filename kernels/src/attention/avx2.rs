@@ -231,6 +231,7 @@ fn heads_avx2<const N: usize, const G: usize>(qr: &[f32], job: HeadJob<'_, f16>,
         head,
         last,
         scale,
+        ..
     } = job;
     let d = 8 * N;
     assert!(qr.len() == G * d && out.len() == G * d && N.is_multiple_of(2));

@@ -138,6 +138,7 @@ fn heads_avx512<const N: usize, const G: usize>(
         head,
         last,
         scale,
+        ..
     } = job;
     let d = 16 * N;
     assert!(qr.len() == G * d && out.len() == G * d);

@@ -59,6 +59,7 @@ mod expf {
     use super::CHUNK;
 
     /// `expf` of each lane of `x`.
+    #[inline]
     #[target_feature(enable = "avx512f")]
     pub(super) fn expf8(x: __m256) -> __m256 {
         // SAFETY: each load reads eight u64 at 0, 8, 16 or 24, inside the 32 of `T`.
@@ -108,7 +109,11 @@ mod expf {
         _mm256_blendv_ps(out, _mm256_add_ps(x, x), nan)
     }
 
-    /// [`expf8`] over a chunk of arguments.
+    /// [`expf8`] over a chunk of arguments. Inlined into the head kernel: called out of line
+    /// once per head and chunk (the registers saved, the upper halves cleared), it cost one
+    /// layer's attention over a 1024-token prompt 42.0–42.5 ms against 36.4–36.5 (Zen 5,
+    /// 2 threads).
+    #[inline]
     #[target_feature(enable = "avx512f")]
     pub(super) fn expf_chunk(x: &[f32; CHUNK]) -> [f32; CHUNK] {
         let mut out = [0f32; CHUNK];

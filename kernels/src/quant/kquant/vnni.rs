@@ -240,14 +240,18 @@ fn tile_body<const F: u8>(rows: [&[u8]; 4], acts: &[Q8KRow], out: &mut [[f32; 4]
     };
     // SAFETY: `BLOCK_SUMS` is sixteen u32 (64 bytes); the load is unaligned.
     let sums = unsafe { _mm512_loadu_si512(BLOCK_SUMS.as_ptr().cast()) };
+    let mut states = [QuadAcc::unset(); GROUP];
     for (group, out) in acts.chunks(GROUP).zip(out.chunks_mut(GROUP)) {
-        let mut states = [QuadAcc::zero(); GROUP];
         for i in 0..nb {
             for (r, w) in rows.iter().enumerate() {
                 unpack::<F>(&w[i * bytes..(i + 1) * bytes], r, &mut pairs);
             }
             constants::<F>(&mut pairs);
             quad_sumi(&pairs, group, i, &mut states, |act, row, lanes| {
+                if i == 0 {
+                    // The group's first super-block: nothing accumulated yet.
+                    *row = QuadAcc::zero();
+                }
                 let spread = |b| _mm512_permutexvar_epi32(sums, _mm512_castsi256_si512(b));
                 quad_float_step::<F>(&pairs.f, act, i, lanes, row, spread);
             });

@@ -632,11 +632,12 @@ fn tile_avx512_body<const F: u8>(rows: [&[u8]; 4], acts: &[Q8KRow], out: &mut [[
         k: [no_scalars(); 4],
         f: Floats::zero(),
     };
+    // Set at each group's first super-block ([`QuadAcc::unset`]).
+    let mut rows_state = [QuadRow {
+        acc: QuadAcc::unset(),
+        lanes01: _mm512_setzero_si512(),
+    }; GROUP];
     for (group, out) in acts.chunks(GROUP).zip(out.chunks_mut(GROUP)) {
-        let mut rows_state = [QuadRow {
-            acc: QuadAcc::zero(),
-            lanes01: _mm512_setzero_si512(),
-        }; GROUP];
         for i in 0..nb {
             for (r, w) in rows.iter().enumerate() {
                 let b = &w[i * bytes..(i + 1) * bytes];
@@ -655,6 +656,10 @@ fn tile_avx512_body<const F: u8>(rows: [&[u8]; 4], acts: &[Q8KRow], out: &mut [[
                 row.lanes01 = lanes
             });
             quad_sumi::<F>(&quad, 1, group, i, &mut rows_state, |act, row, lanes| {
+                if i == 0 {
+                    // The group's first super-block: nothing accumulated yet.
+                    row.acc = QuadAcc::zero();
+                }
                 let broadcast = |b| _mm512_broadcast_i64x4(b);
                 quad_float_step::<F>(
                     &quad.f,

@@ -1307,6 +1307,94 @@ fn kquant_rows_of(
 }
 
 #[test]
+fn the_q8_k_quantizers_equal_the_portable_loop_bit_for_bit() {
+    // Super-blocks whose largest magnitude is held by values of both signs (the first
+    // counts), NaNs beside values (passed over) and alone (a block of scale 0), zeros,
+    // infinities, subnormals and values that scale to a tie, then ordinary rows.
+    let mut blocks: Vec<Vec<f32>> = vec![
+        vec![0.0; 256],
+        vec![f32::NAN; 256],
+        (0..256).map(|i| if i == 7 { 1e-40 } else { 0.0 }).collect(),
+        (0..256)
+            .map(|i| {
+                if i % 2 == 0 {
+                    f32::NAN
+                } else {
+                    i as f32 * 0.01
+                }
+            })
+            .collect(),
+        (0..256)
+            .map(|i| if i == 200 { f32::INFINITY } else { 1.0 })
+            .collect(),
+        (0..256)
+            .map(|i| if i == 3 { -f32::INFINITY } else { -2.0 })
+            .collect(),
+    ];
+    for (first, second) in [(-3.0, 3.0), (3.0, -3.0)] {
+        let mut b: Vec<f32> = (0..256).map(|i| (i % 11) as f32 * 0.2 - 1.0).collect();
+        (b[40], b[41]) = (first, second);
+        blocks.push(b);
+    }
+    // A largest magnitude of 127 makes the scale 1: every multiple of 0.5 is a tie.
+    blocks.push(
+        (0..256)
+            .map(|i| {
+                if i == 0 {
+                    -127.0
+                } else {
+                    (i % 255) as f32 * 0.5 - 63.0
+                }
+            })
+            .collect(),
+    );
+    blocks.push((0..256).map(|i| (i as f32 - 128.0) * 3.4e36).collect());
+    blocks.push((0..256).map(|i| (i as f32 - 100.0) * 1e-42).collect());
+    let mut rng = 0x2545_f491_u32;
+    for _ in 0..24 {
+        blocks.push(
+            (0..256)
+                .map(|_| {
+                    rng ^= rng << 13;
+                    rng ^= rng >> 17;
+                    rng ^= rng << 5;
+                    (rng % 20_001) as f32 / 10_000.0 - 1.0
+                })
+                .collect(),
+        );
+    }
+    let x: Vec<f32> = blocks.concat();
+    let want = kquant::quantize_row_q8k_portable(&x);
+    let want_pairs = kquant::pair_order(&want.qs);
+    for (got, name) in [
+        (kquant::quantize_row_q8k(&x), "quantize_row_q8k"),
+        (
+            kquant::quantize_row_q8k_paired(&x),
+            "quantize_row_q8k_paired",
+        ),
+    ] {
+        let bits = |d: &[f32]| d.iter().map(|d| d.to_bits()).collect::<Vec<_>>();
+        assert_eq!(bits(&got.d), bits(&want.d), "{name}: scales");
+        for (b, (got, want)) in got.qs.chunks(256).zip(want.qs.chunks(256)).enumerate() {
+            assert_eq!(got, want, "{name}: bytes of super-block {b}");
+        }
+        assert_eq!(got.bsums, want.bsums, "{name}: sums of 16");
+        assert_eq!(got.sums32, want.sums32, "{name}: sums of 32");
+        if name.ends_with("paired") {
+            assert_eq!(*got.paired, *want_pairs, "{name}: pair order");
+        } else {
+            assert!(got.paired.is_empty(), "{name}: no pair order asked for");
+        }
+    }
+    #[cfg(target_arch = "x86_64")]
+    if crate::cpu::detect().avx512().is_none() {
+        eprintln!("AVX-512 Q8_K quantizer not checked: no AVX-512 tier here (the CPU lacks it or FERRITE_CPU_TIER caps it)");
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    eprintln!("no vector Q8_K quantizer on this architecture: the portable loop is all");
+}
+
+#[test]
 fn q8_k_bytes_start_on_a_cache_line_in_both_orders_and_in_copies() {
     // The tiles' 64-byte loads of activation bytes straddle two lines otherwise.
     for cols in [256, 2048, 5632] {

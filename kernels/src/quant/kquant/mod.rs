@@ -17,6 +17,9 @@ pub(super) mod avx2;
 pub(super) mod neon;
 #[cfg(target_arch = "x86_64")]
 #[allow(unsafe_code)]
+mod q8k;
+#[cfg(target_arch = "x86_64")]
+#[allow(unsafe_code)]
 pub(super) mod tile;
 #[cfg(target_arch = "x86_64")]
 #[allow(unsafe_code)]
@@ -130,7 +133,11 @@ pub(crate) struct KTile {
 /// [`quantize_row_q8k`] with the bytes also in [`pair_order`], for the AVX-512 VNNI tile.
 #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
 pub(crate) fn quantize_row_q8k_paired(x: &[f32]) -> Q8KRow {
-    let mut row = quantize_row_q8k(x);
+    #[cfg(target_arch = "x86_64")]
+    if let Some(cpu) = crate::cpu::detect().avx512() {
+        return q8k::quantize(cpu, x, true);
+    }
+    let mut row = quantize_row_q8k_portable(x);
     row.paired = pair_order(&row.qs);
     row
 }
@@ -195,16 +202,42 @@ fn nearest_int(f: f32) -> i32 {
     (val.to_bits() as i32 & 0x007f_ffff) - 0x0040_0000
 }
 
-/// Quantizes `x` (a multiple of 256 values) as ggml's `quantize_row_q8_K_ref` does.
+impl Q8KRow {
+    /// `nb` super-blocks of zeros with no scales yet, with room for the pair order where
+    /// `paired` says so.
+    fn empty(nb: usize, paired: bool) -> Self {
+        Q8KRow {
+            d: Vec::with_capacity(nb),
+            qs: LineBytes::zeroed(nb * QK_K),
+            bsums: vec![0; nb * QK_K / 16],
+            sums32: Vec::new(),
+            paired: LineBytes::zeroed(if paired { nb * QK_K } else { 0 }),
+        }
+    }
+}
+
+/// The sums of each 32 bytes from the sums of each 16 (see [`Q8KRow::sums32`]).
+fn sums32(bsums: &[i16]) -> Vec<i16> {
+    bsums
+        .chunks_exact(2)
+        .map(|p| p[0].wrapping_add(p[1]))
+        .collect()
+}
+
+/// Quantizes `x` (a multiple of 256 values) as ggml's `quantize_row_q8_K_ref` does: with
+/// AVX-512 where the CPU has it, else [`quantize_row_q8k_portable`].
 pub fn quantize_row_q8k(x: &[f32]) -> Q8KRow {
-    let nb = x.len() / QK_K;
-    let mut row = Q8KRow {
-        d: Vec::with_capacity(nb),
-        qs: LineBytes::zeroed(nb * QK_K),
-        bsums: vec![0; nb * QK_K / 16],
-        sums32: Vec::with_capacity(nb * QK_K / 32),
-        paired: LineBytes::zeroed(0),
-    };
+    #[cfg(target_arch = "x86_64")]
+    if let Some(cpu) = crate::cpu::detect().avx512() {
+        return q8k::quantize(cpu, x, false);
+    }
+    quantize_row_q8k_portable(x)
+}
+
+/// [`quantize_row_q8k`] one value at a time, as ggml's reference loop goes: the blocks every
+/// vector quantizer must equal.
+pub(crate) fn quantize_row_q8k_portable(x: &[f32]) -> Q8KRow {
+    let mut row = Q8KRow::empty(x.len() / QK_K, false);
     for (i, block) in x.chunks_exact(QK_K).enumerate() {
         let (mut max, mut amax) = (0f32, 0f32);
         for &v in block {
@@ -230,11 +263,7 @@ pub fn quantize_row_q8k(x: &[f32]) -> Q8KRow {
         }
         row.d.push(1.0 / iscale);
     }
-    row.sums32 = row
-        .bsums
-        .chunks_exact(2)
-        .map(|p| p[0].wrapping_add(p[1]))
-        .collect();
+    row.sums32 = sums32(&row.bsums);
     row
 }
 

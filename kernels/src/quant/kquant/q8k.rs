@@ -41,11 +41,14 @@ unsafe fn block_avx512(
     x: &[f32],
     qs: &mut [i8],
     bsums: &mut [i16],
-    paired: Option<&mut [i8]>,
+    mut paired: Option<&mut [i8]>,
 ) -> f32 {
     assert!(x.len() == QK_K && qs.len() == QK_K && bsums.len() == 16);
-    // SAFETY: `x` holds 256 f32 (asserted): sixteen loads of sixteen.
-    let v: [__m512; 16] = std::array::from_fn(|k| unsafe { _mm512_loadu_ps(x[16 * k..].as_ptr()) });
+    assert!(paired.as_ref().is_none_or(|p| p.len() == QK_K));
+    let v: [__m512; 16] = std::array::from_fn(|k| {
+        // SAFETY: `x` holds 256 f32 (asserted), so sixteen from `16 k`; unaligned load.
+        unsafe { _mm512_loadu_ps(x[16 * k..].as_ptr()) }
+    });
     let abs = |v: __m512| _mm512_abs_ps(v);
     // The largest magnitude: `max` returns its second operand where the first is NaN, so
     // NaNs are passed over as the portable loop's `>` passes them over.
@@ -78,8 +81,9 @@ unsafe fn block_avx512(
         // SAFETY: `qs` holds 256 bytes (asserted), so sixteen from `16 k`; unaligned store.
         unsafe { _mm_storeu_si128(qs[16 * k..].as_mut_ptr().cast(), _mm512_cvtepi32_epi8(q)) };
     }
+    // Pair order: group `L` of each 64 bytes is group `L / 2` of their first 32 (`L` even)
+    // or of their second.
     let order = _mm512_setr_epi32(0, 8, 1, 9, 2, 10, 3, 11, 4, 12, 5, 13, 6, 14, 7, 15);
-    let mut paired = paired;
     for c in 0..4 {
         // SAFETY: `qs` holds 256 bytes, so 64 from `64 c`; unaligned load.
         let b = unsafe { _mm512_loadu_si512(qs[64 * c..].as_ptr().cast()) };
@@ -95,7 +99,6 @@ unsafe fn block_avx512(
             bsums[4 * c + j] = (eight[2 * j] + eight[2 * j + 1] - 16 * 128) as i16;
         }
         if let Some(paired) = paired.as_deref_mut() {
-            assert!(paired.len() == QK_K);
             let p = _mm512_permutexvar_epi32(order, b);
             // SAFETY: `paired` holds 256 bytes (asserted), so 64 from `64 c`; unaligned.
             unsafe { _mm512_storeu_si512(paired[64 * c..].as_mut_ptr().cast(), p) };

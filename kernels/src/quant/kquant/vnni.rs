@@ -240,6 +240,7 @@ fn tile_body<const F: u8>(rows: [&[u8]; 4], acts: &[Q8KRow], out: &mut [[f32; 4]
     };
     // SAFETY: `BLOCK_SUMS` is sixteen u32 (64 bytes); the load is unaligned.
     let sums = unsafe { _mm512_loadu_si512(BLOCK_SUMS.as_ptr().cast()) };
+    // Set at each group's first super-block ([`QuadAcc::unset`]).
     let mut states = [QuadAcc::unset(); GROUP];
     for (group, out) in acts.chunks(GROUP).zip(out.chunks_mut(GROUP)) {
         for i in 0..nb {

@@ -21,7 +21,7 @@ pub(super) fn quantize(cpu: Avx512, x: &[f32], paired: bool) -> Q8KRow {
             true => Some(&mut row.paired[i * QK_K..(i + 1) * QK_K]),
             false => None,
         };
-        // SAFETY: `cpu` proves AVX-512 F and BW; every slice holds one super-block's worth.
+        // SAFETY: `cpu` proves AVX-512 F and BW.
         let d = unsafe { block_avx512(block, qs, bsums, order) };
         row.d.push(d);
     }
@@ -31,18 +31,10 @@ pub(super) fn quantize(cpu: Avx512, x: &[f32], paired: bool) -> Q8KRow {
 
 /// One super-block: its bytes into `qs` (and in pair order into `paired`), the sums of each
 /// sixteen into `bsums`; returns its scale. A block of zeros leaves the outputs as they are
-/// (zeros) and has scale 0.
-///
-/// # Safety
-/// The CPU must have AVX-512 F and BW; `x`, `qs` and `paired` must hold 256 values, `bsums`
-/// sixteen.
+/// (zeros) and has scale 0. `x`, `qs` and `paired` hold 256 values, `bsums` sixteen
+/// (asserted).
 #[target_feature(enable = "avx512f,avx512bw")]
-unsafe fn block_avx512(
-    x: &[f32],
-    qs: &mut [i8],
-    bsums: &mut [i16],
-    mut paired: Option<&mut [i8]>,
-) -> f32 {
+fn block_avx512(x: &[f32], qs: &mut [i8], bsums: &mut [i16], mut paired: Option<&mut [i8]>) -> f32 {
     assert!(x.len() == QK_K && qs.len() == QK_K && bsums.len() == 16);
     assert!(paired.as_ref().is_none_or(|p| p.len() == QK_K));
     let v: [__m512; 16] = std::array::from_fn(|k| {

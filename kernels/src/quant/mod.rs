@@ -553,8 +553,9 @@ impl QuantMatrix {
                 (first..first + done).step_by(4).for_each(&mut quad);
             }
         }
-        // One row after the next, one sequential stream: no software prefetch (see
-        // `prefetch_rows`).
+        // One row after the next, one sequential stream: no prefetch of whole rows (see
+        // `prefetch_rows`); the K-quant dot products on x86 ask for their own bytes a few
+        // KiB ahead, one super-block at a time.
         for r in done..n {
             let w = self.weight_row(first + r);
             for (i, a) in acts.iter().enumerate() {
@@ -600,6 +601,10 @@ impl QuantMatrix {
     /// AVX2, Q4_0 53–55 against 38–39, Q4_1 52–53 against 32–35, the default model 262–266
     /// against 200–205. So the AVX-512 VNNI tier keeps the tiles and the AVX2 tiers, like
     /// Q8_0 and Q5_0 on every tier, read one row after the next.
+    ///
+    /// What did pay on Zen 5 is a steady request per cache line a fixed distance ahead,
+    /// issued by the dot product itself as it reaches each block: the x86 K-quant dot
+    /// products do so (`kquant::avx2::PREFETCH_AHEAD`).
     fn prefetch_rows(&self, from: usize, to: usize, end: usize) {
         let to = to.min(end);
         if from >= to {

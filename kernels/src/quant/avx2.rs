@@ -10,7 +10,7 @@ use std::arch::x86_64::*;
 
 use super::float::{self, Activation, FloatFormat};
 use super::portable::hsum8;
-use super::sse2::Carry;
+use super::sse2::{prefetch_ahead, Carry};
 use super::{BlockFormat, Dot, QuantizedRow, Tile, Unpacked, BLOCK};
 use crate::cpu::{Avx2, ByteDot, Features};
 
@@ -179,6 +179,7 @@ fn q4_1<const VNNI: bool>(w: &[u8], a: &QuantizedRow) -> f32 {
     let mut acc = _mm256_setzero_ps();
     let mut summs = _mm256_setzero_ps();
     for (i, b) in w.chunks_exact(Q4_1).enumerate() {
+        prefetch_ahead(b.as_ptr(), 1);
         summs = add_min(b, 2, a.s[i], summs);
         let d = scale_splat(b, 0, a.d[i]);
         acc = _mm256_fmadd_ps(
@@ -218,6 +219,7 @@ fn signed_block<const VNNI: bool>(
 fn signed<const VNNI: bool>(w: &[u8], a: &QuantizedRow, stride: usize, four_bit: bool) -> f32 {
     let mut acc = _mm256_setzero_ps();
     for (i, b) in w.chunks_exact(stride).enumerate() {
+        prefetch_ahead(b.as_ptr(), stride.div_ceil(64));
         acc = signed_block::<VNNI>(b, a, i, activation(a, i), acc, four_bit);
     }
     hsum8(lanes(acc))
@@ -451,6 +453,7 @@ fn q5_avx2<const SIGNED: bool, const VNNI: bool>(w: &[u8], a: &QuantizedRow) -> 
     let mut acc = _mm256_setzero_ps();
     let mut summs = _mm256_setzero_ps();
     for (i, b) in w.chunks_exact(stride).enumerate() {
+        prefetch_ahead(b.as_ptr(), 1);
         let qx = nibbles(&b[qs_at..]);
         let hi = bytes_from_bits(&b[qh_at..]);
         let qy = activation(a, i);
@@ -780,6 +783,7 @@ unsafe fn float_sums_avx2<T: Activation>(format: FloatFormat, w: *const u8, x: &
     if format == FloatFormat::BF16 {
         // Whole pair-order blocks: each lane's odd column, then its even one.
         while i + float::PAIR_BLOCK <= x.len() {
+            prefetch_ahead(w.wrapping_add(2 * i), float::PAIR_BLOCK / 32);
             for (j, a) in acc.iter_mut().enumerate() {
                 // SAFETY: columns `i .. i + 128` of both rows.
                 unsafe {
@@ -793,6 +797,10 @@ unsafe fn float_sums_avx2<T: Activation>(format: FloatFormat, w: *const u8, x: &
         }
     }
     while i < whole {
+        prefetch_ahead(
+            w.wrapping_add(i * format.bytes()),
+            float::LANES * format.bytes() / 64,
+        );
         for (j, a) in acc.iter_mut().enumerate() {
             // SAFETY: `i + 8 j + 8 <= whole <= x.len()` values of both rows.
             unsafe {

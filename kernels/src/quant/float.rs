@@ -976,7 +976,8 @@ impl QuantMatrix {
         if m == 1 {
             // One activation row: each weight row read once, as stored, one after the next —
             // a single sequential stream, which the hardware prefetcher follows better
-            // without software prefetch (see `QuantMatrix::prefetch_rows`).
+            // without whole rows prefetched (see `QuantMatrix::prefetch_rows`); the dot
+            // products on x86 ask for their own bytes a few KiB ahead as they go.
             for r in range.clone() {
                 put(0, r, dot(self.weight_row(r), 0));
             }

@@ -554,8 +554,8 @@ impl QuantMatrix {
             }
         }
         // One row after the next, one sequential stream: no prefetch of whole rows (see
-        // `prefetch_rows`); the K-quant dot products on x86 ask for their own bytes a few
-        // KiB ahead, one super-block at a time.
+        // `prefetch_rows`); the dot products on x86 ask for their own bytes a few KiB
+        // ahead, a block at a time.
         for r in done..n {
             let w = self.weight_row(first + r);
             for (i, a) in acts.iter().enumerate() {
@@ -603,8 +603,8 @@ impl QuantMatrix {
     /// Q8_0 and Q5_0 on every tier, read one row after the next.
     ///
     /// What did pay on Zen 5 is a steady request per cache line a fixed distance ahead,
-    /// issued by the dot product itself as it reaches each block: the x86 K-quant dot
-    /// products do so (`kquant::avx2::PREFETCH_AHEAD`).
+    /// issued by the dot product itself as it reaches each block: the x86 one-row dot
+    /// products of every format do so (`sse2::PREFETCH_AHEAD`).
     fn prefetch_rows(&self, from: usize, to: usize, end: usize) {
         let to = to.min(end);
         if from >= to {

@@ -7,7 +7,7 @@ use std::arch::x86_64::*;
 use super::super::float::{
     finish, fold16, shares, tile_columns, Activation, FloatFormat, LANES, PAIR_BLOCK, TILE_ROWS,
 };
-use super::super::sse2::Carry;
+use super::super::sse2::{prefetch_ahead, Carry};
 use crate::cpu::Avx512;
 
 /// Sixteen values of `format` (weights, or activations as [`Activation::FORMAT`] names
@@ -137,6 +137,7 @@ unsafe fn dot_avx512<T: Activation>(format: FloatFormat, w: &[u8], x: &[T]) -> f
     if format == FloatFormat::BF16 {
         // Whole pair-order blocks: each lane's odd column, then its even one.
         while i + PAIR_BLOCK <= k {
+            prefetch_ahead(wp.wrapping_add(2 * i), PAIR_BLOCK / 32);
             for (j, a) in acc.iter_mut().enumerate() {
                 // SAFETY: columns `i .. i + 128` of both rows.
                 unsafe {
@@ -149,6 +150,10 @@ unsafe fn dot_avx512<T: Activation>(format: FloatFormat, w: &[u8], x: &[T]) -> f
         }
     }
     while i < whole {
+        prefetch_ahead(
+            wp.wrapping_add(i * format.bytes()),
+            LANES * format.bytes() / 64,
+        );
         for (j, a) in acc.iter_mut().enumerate() {
             // SAFETY: `i + 16 j + 16 <= whole <= k` values of both rows.
             unsafe {

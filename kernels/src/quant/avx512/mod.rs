@@ -11,6 +11,7 @@ use std::arch::x86_64::*;
 
 use super::avx2::{self, lanes};
 use super::portable::hsum8;
+use super::sse2::prefetch_ahead;
 use super::{BlockFormat, Dot, PackedTile, QuantizedRow, BLOCK};
 use crate::cpu::Avx512Vnni;
 
@@ -212,6 +213,7 @@ fn row_avx512<const F: u8>(w: &[u8], a: &QuantizedRow) -> f32 {
         let pair = i + 1 < nb;
         let x = &w[i * stride..];
         let y = if pair { &x[stride..] } else { x };
+        prefetch_ahead(x.as_ptr(), (2 * stride).div_ceil(64));
         // SAFETY: `x` and `y` each start a whole block of the row (asserted length), and
         // the activation bytes read (64 for a pair, 32 for the last odd block) lie inside
         // `a.q`; all loads are unaligned.

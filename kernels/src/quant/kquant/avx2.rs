@@ -8,6 +8,7 @@ use super::{scales_q3k, KFormat, Q8KRow, QK_K};
 use crate::cpu::Avx2;
 use crate::quant::avx2::scale_splat;
 use crate::quant::portable::hsum8;
+use crate::quant::sse2::prefetch_ahead;
 
 /// The dot product of a weight row of `format` with an activation row.
 pub(crate) fn dot(cpu: Avx2, format: KFormat) -> fn(&[u8], &Q8KRow) -> f32 {
@@ -107,7 +108,8 @@ struct Pair<'a> {
 }
 
 /// The super-blocks of weight row `w` (in `format`) beside those of `a`, in order, each
-/// handed out once the weight bytes [`PREFETCH_AHEAD`] past it have been asked for. Every
+/// handed out once the weight bytes a few KiB past it have been asked for
+/// ([`prefetch_ahead`]). Every
 /// slice comes with its fixed length, so the kernels' loads at constant offsets within it
 /// are checked at compile time rather than once per load.
 fn pairs<'a>(w: &'a [u8], format: KFormat, a: &'a Q8KRow) -> impl Iterator<Item = Pair<'a>> {
@@ -122,7 +124,7 @@ fn pairs<'a>(w: &'a [u8], format: KFormat, a: &'a Q8KRow) -> impl Iterator<Item 
         .zip(&a.d)
         .zip(a.bsums.chunks_exact(16).zip(a.sums32.chunks_exact(8)))
         .map(move |(((w, q), &d), (bsums, sums32))| {
-            prefetch_ahead(w, bytes.div_ceil(64));
+            prefetch_ahead(w.as_ptr(), bytes.div_ceil(64));
             Pair {
                 w,
                 q,
@@ -131,29 +133,6 @@ fn pairs<'a>(w: &'a [u8], format: KFormat, a: &'a Q8KRow) -> impl Iterator<Item 
                 sums32,
             }
         })
-}
-
-/// How far past the super-block at hand a one-row dot product asks for weight bytes.
-///
-/// A decode step reads every weight once, one row after the next, and with the hardware
-/// prefetcher alone each core's loop waited on memory: single-threaded, the Q4_K loop ran
-/// at ~27 GB/s over a matrix in memory against ~33 over one in the caches, and Q6_K's at
-/// ~31 against ~46. Asking 4 KiB ahead, one request per cache line of each super-block, on
-/// an AMD EPYC (Zen 5), random 1.1B Q4_K_M, single-stream decode: 43.1–45.6 -> 46.5–49.8
-/// tok/s on one thread, and on two a median of 67.2 -> 73.7 tok/s over eight alternating
-/// runs (8 KiB ahead: 72.5, even).
-const PREFETCH_AHEAD: usize = 4096;
-
-/// Asks for `lines` cache lines from [`PREFETCH_AHEAD`] bytes past the start of `b`: a hint,
-/// with no effect on any result. The address may lie past the row or the weights; nothing
-/// reads it.
-#[inline]
-fn prefetch_ahead(b: &[u8], lines: usize) {
-    for l in 0..lines {
-        let at = b.as_ptr().wrapping_add(PREFETCH_AHEAD + 64 * l);
-        // SAFETY: SSE is part of x86-64; a prefetch reads no memory and faults on no address.
-        unsafe { _mm_prefetch::<_MM_HINT_T0>(at.cast()) };
-    }
 }
 
 /// The eight f32 lanes, summed as ggml's `hsum_float_8`.

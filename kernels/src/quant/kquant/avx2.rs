@@ -94,7 +94,7 @@ fn load_i16x8(s: &[i16]) -> __m128i {
 }
 
 /// One super-block of a weight row beside the activation row's.
-struct Pair<'a> {
+struct SuperBlock<'a> {
     /// The weight super-block's bytes.
     w: &'a [u8],
     /// Its 256 quantized activations.
@@ -109,10 +109,13 @@ struct Pair<'a> {
 
 /// The super-blocks of weight row `w` (in `format`) beside those of `a`, in order, each
 /// handed out once the weight bytes a few KiB past it have been asked for
-/// ([`prefetch_ahead`]). Every
-/// slice comes with its fixed length, so the kernels' loads at constant offsets within it
-/// are checked at compile time rather than once per load.
-fn pairs<'a>(w: &'a [u8], format: KFormat, a: &'a Q8KRow) -> impl Iterator<Item = Pair<'a>> {
+/// ([`prefetch_ahead`]). Every slice comes with its fixed length, so the kernels' loads at
+/// constant offsets within it are checked at compile time rather than once per load.
+fn super_blocks<'a>(
+    w: &'a [u8],
+    format: KFormat,
+    a: &'a Q8KRow,
+) -> impl Iterator<Item = SuperBlock<'a>> {
     let bytes = format.block_bytes();
     let blocks = w.chunks_exact(bytes);
     assert!(
@@ -125,7 +128,7 @@ fn pairs<'a>(w: &'a [u8], format: KFormat, a: &'a Q8KRow) -> impl Iterator<Item 
         .zip(a.bsums.chunks_exact(16).zip(a.sums32.chunks_exact(8)))
         .map(move |(((w, q), &d), (bsums, sums32))| {
             prefetch_ahead(w.as_ptr(), bytes.div_ceil(64));
-            Pair {
+            SuperBlock {
                 w,
                 q,
                 d,
@@ -218,8 +221,8 @@ pub(super) fn split_i8(v: __m128i, k: i32) -> __m128i {
 }
 
 /// Q4_K and Q5_K's header: the eight scales as i16 in both 128-bit lanes, and the eight
-/// minimums as i16. The same integers as [`super::scales_mins_k4`] (ggml's `utmp` shuffle of the
-/// twelve packed bytes), worked out in one register.
+/// minimums as i16. The same integers as [`super::scales_mins_k4`] (ggml's `utmp` shuffle
+/// of the twelve packed bytes), worked out in one register.
 #[inline]
 #[target_feature(enable = "avx2")]
 pub(super) fn k4_scales_mins(b: &[u8]) -> (__m256i, __m128i) {
@@ -338,7 +341,7 @@ fn q4k_avx2(w: &[u8], a: &Q8KRow) -> f32 {
     let controls = broadcast_controls();
     let mut acc = _mm256_setzero_ps();
     let mut acc_m = _mm_setzero_ps();
-    for sb in pairs(w, KFormat::Q4K, a) {
+    for sb in super_blocks(w, KFormat::Q4K, a) {
         let b = sb.w;
         // The scales in every lane, never a scalar f16 conversion ([`scale_splat`]).
         let d = scale_splat(b, 0, sb.d);
@@ -369,7 +372,7 @@ fn q5k_avx2(w: &[u8], a: &Q8KRow) -> f32 {
     let controls = broadcast_controls();
     let mut acc = _mm256_setzero_ps();
     let mut summs = 0f32;
-    for sb in pairs(w, KFormat::Q5K, a) {
+    for sb in super_blocks(w, KFormat::Q5K, a) {
         let b = sb.w;
         let d = scale_splat(b, 0, sb.d);
         let dmin = _mm256_cvtss_f32(scale_splat(b, 2, -sb.d));
@@ -398,7 +401,7 @@ fn q5k_avx2(w: &[u8], a: &Q8KRow) -> f32 {
 #[target_feature(enable = "avx2,fma,f16c")]
 fn q6k_avx2(w: &[u8], a: &Q8KRow) -> f32 {
     let mut acc = _mm256_setzero_ps();
-    for sb in pairs(w, KFormat::Q6K, a) {
+    for sb in super_blocks(w, KFormat::Q6K, a) {
         let b = sb.w;
         let d = scale_splat(b, 208, sb.d);
         let q8sums = load_i16x16(sb.bsums);
@@ -429,7 +432,7 @@ fn q6k_avx2(w: &[u8], a: &Q8KRow) -> f32 {
 fn q2k_avx2(w: &[u8], a: &Q8KRow) -> f32 {
     let m4 = _mm_set1_epi8(0xF);
     let mut acc = _mm256_setzero_ps();
-    for sb in pairs(w, KFormat::Q2K, a) {
+    for sb in super_blocks(w, KFormat::Q2K, a) {
         let b = sb.w;
         let d = scale_splat(b, 80, sb.d);
         let dmin = scale_splat(b, 82, -sb.d);
@@ -463,7 +466,7 @@ fn q3k_avx2(w: &[u8], a: &Q8KRow) -> f32 {
     let m3 = _mm256_set1_epi8(3);
     let mone = _mm256_set1_epi8(1);
     let mut acc = _mm256_setzero_ps();
-    for sb in pairs(w, KFormat::Q3K, a) {
+    for sb in super_blocks(w, KFormat::Q3K, a) {
         let b = sb.w;
         let d = scale_splat(b, 108, sb.d);
         let sc = scales_q3k(&b[96..108]);

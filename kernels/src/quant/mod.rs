@@ -198,9 +198,6 @@ pub struct QuantMatrix {
     format: WeightFormat,
     rows: usize,
     cols: usize,
-    /// Bytes of one row, worked out once: products slice every weight row by it, and the
-    /// division behind it was 2 % of a single-stream decode's samples.
-    row_bytes: usize,
     data: Bytes,
     /// BF16 weights' [`float::bf16_least_exponent`], found at the first product that asks.
     bf16_exponent: OnceLock<Option<i32>>,
@@ -305,7 +302,6 @@ impl QuantMatrix {
             format,
             rows,
             cols,
-            row_bytes: cols / per_block * format.block_bytes(),
             data: Bytes::Own(data),
             bf16_exponent: OnceLock::new(),
         })
@@ -329,7 +325,6 @@ impl QuantMatrix {
             format: first.format,
             rows: parts.iter().map(|p| p.rows).sum(),
             cols: first.cols,
-            row_bytes: first.row_bytes,
             data: Bytes::Own(data),
             bf16_exponent: OnceLock::new(),
         })
@@ -341,12 +336,11 @@ impl QuantMatrix {
         if rows.start > rows.end || rows.end > self.rows {
             return None;
         }
-        let stride = self.row_bytes;
+        let stride = self.data.len() / self.rows.max(1);
         Some(QuantMatrix {
             format: self.format,
             rows: rows.len(),
             cols: self.cols,
-            row_bytes: stride,
             data: Bytes::Own(self.data[rows.start * stride..rows.end * stride].to_vec()),
             bf16_exponent: OnceLock::new(),
         })
@@ -581,7 +575,7 @@ impl QuantMatrix {
     }
 
     fn row_bytes(&self) -> usize {
-        self.row_bytes
+        self.cols / self.format.block_values() * self.format.block_bytes()
     }
 
     /// Prefetches weight rows `from..to` (clamped to `end`; none if empty).
@@ -636,7 +630,6 @@ impl QuantMatrix {
         &self.data[from.min(to) * n..to * n]
     }
 
-    #[inline]
     fn weight_row(&self, r: usize) -> &[u8] {
         let n = self.row_bytes();
         &self.data[r * n..(r + 1) * n]

@@ -55,8 +55,15 @@ impl<T: Copy> Carry<T> {
 /// Prefetches the cache line holding the start of `line` into every cache level.
 #[inline]
 pub(super) fn prefetch_line(line: &[u8]) {
-    // SAFETY: a prefetch is a hint that never faults, and SSE is part of every x86-64.
-    unsafe { _mm_prefetch::<_MM_HINT_T0>(line.as_ptr().cast()) }
+    prefetch_at(line.as_ptr());
+}
+
+/// Prefetches the cache line holding `at` into every cache level: a hint, for any address.
+#[inline]
+fn prefetch_at(at: *const u8) {
+    // SAFETY: a prefetch is a hint that reads no memory and faults on no address, and SSE is
+    // part of every x86-64.
+    unsafe { _mm_prefetch::<_MM_HINT_T0>(at.cast()) }
 }
 
 /// How far past the block at hand a one-row dot product asks for weight bytes.
@@ -81,10 +88,7 @@ pub(super) const PREFETCH_AHEAD: usize = 4096;
 #[inline]
 pub(super) fn prefetch_ahead(b: *const u8, lines: usize) {
     for l in 0..lines {
-        let at = b.wrapping_add(PREFETCH_AHEAD + 64 * l);
-        // SAFETY: a prefetch is a hint that reads no memory and faults on no address, and SSE
-        // is part of every x86-64.
-        unsafe { _mm_prefetch::<_MM_HINT_T0>(at.cast()) };
+        prefetch_at(b.wrapping_add(PREFETCH_AHEAD + 64 * l));
     }
 }
 

@@ -11,7 +11,7 @@ use std::arch::x86_64::*;
 use super::float::{self, Activation, FloatFormat};
 use super::portable::hsum8;
 use super::sse2::{prefetch_ahead, Carry};
-use super::{BlockFormat, Dot, QuantizedRow, Tile, Unpacked, BLOCK};
+use super::{BlockFormat, Dot, Dot2, QuantizedRow, Tile, Unpacked, BLOCK};
 use crate::cpu::{Avx2, ByteDot, Features};
 
 /// `f`, compiled with its tier's target features — AVX2, FMA and F16C, and AVX-VNNI where
@@ -173,22 +173,36 @@ pub(super) fn add_min(b: &[u8], at: usize, s: f32, summs: __m256) -> __m256 {
     _mm256_fmadd_ps(f16_splat(b, at), _mm256_set1_ps(s), summs)
 }
 
+/// The number of `stride`-byte blocks in each of the rows `w`, which must be as long as
+/// each other and hold whole blocks.
+#[inline(always)]
+fn blocks_in<const R: usize>(w: &[&[u8]; R], stride: usize) -> usize {
+    let len = w[0].len();
+    assert!(
+        len.is_multiple_of(stride) && w.iter().all(|w| w.len() == len),
+        "weight rows of whole blocks, as long as each other"
+    );
+    len / stride
+}
+
+/// `ggml_vec_dot_q4_1_q8_1` of each of the `R` rows `w` with `a`: each row its own
+/// accumulators, so its bits are the one-row product's whatever `R` is (see [`Dot2`]).
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-fn q4_1<const VNNI: bool>(w: &[u8], a: &QuantizedRow) -> f32 {
-    let mut acc = _mm256_setzero_ps();
-    let mut summs = _mm256_setzero_ps();
-    for (i, b) in w.chunks_exact(Q4_1).enumerate() {
-        prefetch_ahead(b.as_ptr(), 1);
-        summs = add_min(b, 2, a.s[i], summs);
-        let d = scale_splat(b, 0, a.d[i]);
-        acc = _mm256_fmadd_ps(
-            d,
-            lane_sums::<VNNI>(nibbles(&b[4..]), activation(a, i)),
-            acc,
-        );
+fn q4_1<const VNNI: bool, const R: usize>(w: [&[u8]; R], a: &QuantizedRow) -> [f32; R] {
+    let mut acc = [_mm256_setzero_ps(); R];
+    let mut summs = [_mm256_setzero_ps(); R];
+    for i in 0..blocks_in(&w, Q4_1) {
+        let qy = activation(a, i);
+        for r in 0..R {
+            let b = &w[r][i * Q4_1..(i + 1) * Q4_1];
+            prefetch_ahead(b.as_ptr(), 1);
+            summs[r] = add_min(b, 2, a.s[i], summs[r]);
+            let d = scale_splat(b, 0, a.d[i]);
+            acc[r] = _mm256_fmadd_ps(d, lane_sums::<VNNI>(nibbles(&b[4..]), qy), acc[r]);
+        }
     }
-    hsum8(lanes(acc)) + _mm256_cvtss_f32(summs)
+    std::array::from_fn(|r| hsum8(lanes(acc[r])) + _mm256_cvtss_f32(summs[r]))
 }
 
 /// One block of one Q4_0/Q8_0 row: the eight-lane update.
@@ -214,15 +228,26 @@ fn signed_block<const VNNI: bool>(
     _mm256_fmadd_ps(scale_splat(b, 0, a.d[i]), prod, acc)
 }
 
+/// The Q4_0 (`four_bit`) or Q8_0 dot product of each of the `R` rows `w` with `a`, each
+/// row its own accumulator (as in [`q4_1`]).
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-fn signed<const VNNI: bool>(w: &[u8], a: &QuantizedRow, stride: usize, four_bit: bool) -> f32 {
-    let mut acc = _mm256_setzero_ps();
-    for (i, b) in w.chunks_exact(stride).enumerate() {
-        prefetch_ahead(b.as_ptr(), stride.div_ceil(64));
-        acc = signed_block::<VNNI>(b, a, i, activation(a, i), acc, four_bit);
+fn signed<const VNNI: bool, const R: usize>(
+    w: [&[u8]; R],
+    a: &QuantizedRow,
+    stride: usize,
+    four_bit: bool,
+) -> [f32; R] {
+    let mut acc = [_mm256_setzero_ps(); R];
+    for i in 0..blocks_in(&w, stride) {
+        let qy = activation(a, i);
+        for r in 0..R {
+            let b = &w[r][i * stride..(i + 1) * stride];
+            prefetch_ahead(b.as_ptr(), stride.div_ceil(64));
+            acc[r] = signed_block::<VNNI>(b, a, i, qy, acc[r], four_bit);
+        }
     }
-    hsum8(lanes(acc))
+    std::array::from_fn(|r| hsum8(lanes(acc[r])))
 }
 
 #[inline]
@@ -331,6 +356,15 @@ pub(super) fn best_dot(features: Features, format: BlockFormat) -> Option<Dot> {
     }
 }
 
+/// The two-row dot product for `format` on the better of the AVX2 tiers `features` has, if
+/// any.
+pub(super) fn best_dot2(features: Features, format: BlockFormat) -> Option<Dot2> {
+    match features.avx_vnni() {
+        Some(cpu) => Some(dot2(cpu, format)),
+        None => features.avx2().map(|cpu| dot2(cpu, format)),
+    }
+}
+
 /// The buffered tile on the better of the AVX2 tiers `features` has, if any.
 pub(super) fn best_tile(features: Features) -> Option<Tile> {
     match features.avx_vnni() {
@@ -345,6 +379,15 @@ pub(super) fn best_dot_q5(features: Features, signed: bool) -> Option<Dot> {
     match features.avx_vnni() {
         Some(cpu) => Some(dot_q5(cpu, signed)),
         None => features.avx2().map(|cpu| dot_q5(cpu, signed)),
+    }
+}
+
+/// The Q5_0 (`signed`) or Q5_1 two-row dot product on the better of the AVX2 tiers
+/// `features` has, if any.
+pub(super) fn best_dot2_q5(features: Features, signed: bool) -> Option<Dot2> {
+    match features.avx_vnni() {
+        Some(cpu) => Some(dot2_q5(cpu, signed)),
+        None => features.avx2().map(|cpu| dot2_q5(cpu, signed)),
     }
 }
 
@@ -363,6 +406,24 @@ fn dots<const VNNI: bool>(format: BlockFormat) -> Dot {
         BlockFormat::Q4_1 => dot_q4_1::<VNNI>,
         BlockFormat::Q4_0 => dot_q4_0::<VNNI>,
         BlockFormat::Q8_0 => dot_q8_0::<VNNI>,
+    }
+}
+
+/// The two-row dot product for `format` on tier `T`.
+pub(super) fn dot2<T: ByteDot>(cpu: T, format: BlockFormat) -> Dot2 {
+    let _ = cpu;
+    if T::DOT {
+        dots2::<true>(format)
+    } else {
+        dots2::<false>(format)
+    }
+}
+
+fn dots2<const VNNI: bool>(format: BlockFormat) -> Dot2 {
+    match format {
+        BlockFormat::Q4_1 => rows_q4_1::<VNNI, 2>,
+        BlockFormat::Q4_0 => rows_q4_0::<VNNI, 2>,
+        BlockFormat::Q8_0 => rows_q8_0::<VNNI, 2>,
     }
 }
 
@@ -394,18 +455,30 @@ fn tile_rows<const VNNI: bool>(u: &Unpacked, a: &[QuantizedRow], out: &mut [[f32
 }
 
 fn dot_q4_1<const VNNI: bool>(w: &[u8], a: &QuantizedRow) -> f32 {
-    // SAFETY: handed out by `dot`, with its tier's token.
-    unsafe { on_tier::<VNNI, _>(|| q4_1::<VNNI>(w, a)) }
+    rows_q4_1::<VNNI, 1>([w], a)[0]
 }
 
 fn dot_q4_0<const VNNI: bool>(w: &[u8], a: &QuantizedRow) -> f32 {
-    // SAFETY: handed out by `dot`, with its tier's token.
-    unsafe { on_tier::<VNNI, _>(|| signed::<VNNI>(w, a, Q4_0, true)) }
+    rows_q4_0::<VNNI, 1>([w], a)[0]
 }
 
 fn dot_q8_0<const VNNI: bool>(w: &[u8], a: &QuantizedRow) -> f32 {
-    // SAFETY: handed out by `dot`, with its tier's token.
-    unsafe { on_tier::<VNNI, _>(|| signed::<VNNI>(w, a, Q8_0, false)) }
+    rows_q8_0::<VNNI, 1>([w], a)[0]
+}
+
+fn rows_q4_1<const VNNI: bool, const R: usize>(w: [&[u8]; R], a: &QuantizedRow) -> [f32; R] {
+    // SAFETY: handed out by `dot` or `dot2`, with its tier's token.
+    unsafe { on_tier::<VNNI, _>(|| q4_1::<VNNI, R>(w, a)) }
+}
+
+fn rows_q4_0<const VNNI: bool, const R: usize>(w: [&[u8]; R], a: &QuantizedRow) -> [f32; R] {
+    // SAFETY: handed out by `dot` or `dot2`, with its tier's token.
+    unsafe { on_tier::<VNNI, _>(|| signed::<VNNI, R>(w, a, Q4_0, true)) }
+}
+
+fn rows_q8_0<const VNNI: bool, const R: usize>(w: [&[u8]; R], a: &QuantizedRow) -> [f32; R] {
+    // SAFETY: handed out by `dot` or `dot2`, with its tier's token.
+    unsafe { on_tier::<VNNI, _>(|| signed::<VNNI, R>(w, a, Q8_0, false)) }
 }
 
 /// The Q5_0 (`signed`) or Q5_1 dot product on tier `T`.
@@ -419,9 +492,27 @@ pub(super) fn dot_q5<T: ByteDot>(cpu: T, signed: bool) -> Dot {
     }
 }
 
+/// The Q5_0 (`signed`) or Q5_1 two-row dot product on tier `T`.
+pub(super) fn dot2_q5<T: ByteDot>(cpu: T, signed: bool) -> Dot2 {
+    let _ = cpu;
+    match (signed, T::DOT) {
+        (true, false) => rows_q5::<true, false, 2>,
+        (false, false) => rows_q5::<false, false, 2>,
+        (true, true) => rows_q5::<true, true, 2>,
+        (false, true) => rows_q5::<false, true, 2>,
+    }
+}
+
 fn q5<const SIGNED: bool, const VNNI: bool>(w: &[u8], a: &QuantizedRow) -> f32 {
-    // SAFETY: handed out by `dot_q5`, with its tier's token.
-    unsafe { on_tier::<VNNI, _>(|| q5_avx2::<SIGNED, VNNI>(w, a)) }
+    rows_q5::<SIGNED, VNNI, 1>([w], a)[0]
+}
+
+fn rows_q5<const SIGNED: bool, const VNNI: bool, const R: usize>(
+    w: [&[u8]; R],
+    a: &QuantizedRow,
+) -> [f32; R] {
+    // SAFETY: handed out by `dot_q5` or `dot2_q5`, with its tier's token.
+    unsafe { on_tier::<VNNI, _>(|| q5_avx2::<SIGNED, VNNI, R>(w, a)) }
 }
 
 /// ggml's `bytes_from_bits_32`: byte `j` all ones where bit `j` of the four bytes is set.
@@ -440,36 +531,43 @@ fn bytes_from_bits(qh: &[u8]) -> __m256i {
     _mm256_cmpeq_epi8(_mm256_or_si256(bytes, bit_mask), _mm256_set1_epi64x(-1))
 }
 
-/// `ggml_vec_dot_q5_0_q8_0` (`SIGNED`) and `ggml_vec_dot_q5_1_q8_1`.
+/// `ggml_vec_dot_q5_0_q8_0` (`SIGNED`) and `ggml_vec_dot_q5_1_q8_1` of each of the `R`
+/// rows `w` with `a`, each row its own accumulators (as in [`q4_1`]).
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-fn q5_avx2<const SIGNED: bool, const VNNI: bool>(w: &[u8], a: &QuantizedRow) -> f32 {
+fn q5_avx2<const SIGNED: bool, const VNNI: bool, const R: usize>(
+    w: [&[u8]; R],
+    a: &QuantizedRow,
+) -> [f32; R] {
     let stride = if SIGNED {
         super::q5::Q5_0_BYTES
     } else {
         super::q5::Q5_1_BYTES
     };
     let (qh_at, qs_at) = if SIGNED { (2, 6) } else { (4, 8) };
-    let mut acc = _mm256_setzero_ps();
-    let mut summs = _mm256_setzero_ps();
-    for (i, b) in w.chunks_exact(stride).enumerate() {
-        prefetch_ahead(b.as_ptr(), 1);
-        let qx = nibbles(&b[qs_at..]);
-        let hi = bytes_from_bits(&b[qh_at..]);
+    let mut acc = [_mm256_setzero_ps(); R];
+    let mut summs = [_mm256_setzero_ps(); R];
+    for i in 0..blocks_in(&w, stride) {
         let qy = activation(a, i);
-        if SIGNED {
-            let qx = _mm256_or_si256(qx, _mm256_andnot_si256(hi, _mm256_set1_epi8(-16)));
-            let d = scale_splat(b, 0, a.d[i]);
-            let q = lane_sums::<VNNI>(_mm256_sign_epi8(qx, qx), _mm256_sign_epi8(qy, qx));
-            acc = _mm256_fmadd_ps(d, q, acc);
-        } else {
-            summs = add_min(b, 2, a.s[i], summs);
-            let qx = _mm256_or_si256(qx, _mm256_and_si256(hi, _mm256_set1_epi8(0x10)));
-            let d = scale_splat(b, 0, a.d[i]);
-            acc = _mm256_fmadd_ps(lane_sums::<VNNI>(qx, qy), d, acc);
+        for r in 0..R {
+            let b = &w[r][i * stride..(i + 1) * stride];
+            prefetch_ahead(b.as_ptr(), 1);
+            let qx = nibbles(&b[qs_at..]);
+            let hi = bytes_from_bits(&b[qh_at..]);
+            if SIGNED {
+                let qx = _mm256_or_si256(qx, _mm256_andnot_si256(hi, _mm256_set1_epi8(-16)));
+                let d = scale_splat(b, 0, a.d[i]);
+                let q = lane_sums::<VNNI>(_mm256_sign_epi8(qx, qx), _mm256_sign_epi8(qy, qx));
+                acc[r] = _mm256_fmadd_ps(d, q, acc[r]);
+            } else {
+                summs[r] = add_min(b, 2, a.s[i], summs[r]);
+                let qx = _mm256_or_si256(qx, _mm256_and_si256(hi, _mm256_set1_epi8(0x10)));
+                let d = scale_splat(b, 0, a.d[i]);
+                acc[r] = _mm256_fmadd_ps(lane_sums::<VNNI>(qx, qy), d, acc[r]);
+            }
         }
     }
-    hsum8(lanes(acc)) + _mm256_cvtss_f32(summs)
+    std::array::from_fn(|r| hsum8(lanes(acc[r])) + _mm256_cvtss_f32(summs[r]))
 }
 
 /// Eight values of `format` (weights, or activations as [`float::Activation::FORMAT`]

@@ -155,6 +155,27 @@ impl Batched {
         matches!(self, Batched::Block(BlockFormat::Q4_1) | Batched::Q5_1)
     }
 
+    /// The two-row dot product on the best tier `features` has, if it has one ([`Dot2`]):
+    /// the x86 tiers; arm64, whose speed nothing here measures, keeps one row at a time.
+    fn dot2(self, features: cpu::Features) -> Option<Dot2> {
+        #[cfg(target_arch = "x86_64")]
+        {
+            match self {
+                Batched::Block(f) => match features.avx512_vnni() {
+                    Some(cpu) => Some(avx512::dot2(cpu, f)),
+                    None => avx2::best_dot2(features, f),
+                },
+                Batched::Q5_0 => avx2::best_dot2_q5(features, true),
+                Batched::Q5_1 => avx2::best_dot2_q5(features, false),
+            }
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        {
+            let _ = features;
+            None
+        }
+    }
+
     /// The single-row dot product on the best tier `features` has.
     fn dot(self, features: cpu::Features) -> Dot {
         #[cfg(target_arch = "aarch64")]
@@ -430,8 +451,12 @@ impl QuantMatrix {
                 let tile = kquant_tile(features, k).filter(|_| m >= KQUANT_TILE_MIN_ROWS);
                 let plain: fn(&[f32]) -> kquant::Q8KRow = kquant::quantize_row_q8k;
                 let quantize = tile.map_or(plain, |t| t.quantize);
-                let dot = kquant_dot(features, k);
-                self.matmul_pairs(x, m, quantize, dot, tile.map(|t| t.run))
+                let kernels = PairKernels {
+                    dot: kquant_dot(features, k),
+                    dot2: None,
+                    tile: tile.map(|t| t.run),
+                };
+                self.matmul_pairs(x, m, quantize, kernels)
             }
             WeightFormat::Float(f) => self.matmul_float(f, x, m),
             _ => {
@@ -441,18 +466,25 @@ impl QuantMatrix {
                     .unwrap_or(Batched::Block(BlockFormat::Q8_0));
                 // One activation row against Q4_0 or Q4_1 runs on the AVX-512 VNNI tiles
                 // below, four weight rows at a time: faster than one row after the next on
-                // the default model, even at 1B (see `prefetch_rows`). On the AVX2 tiers one
-                // row at a time is the faster; arm64, whose speed nothing here measures,
-                // keeps one row at a time too.
+                // the default model, even at 1B (see `prefetch_rows`), and than two rows at
+                // a time ([`Dot2`]; 287–326 against 311–386 tok/s on the default model, Zen
+                // 5). On the AVX2 tiers two rows at a time is the faster; arm64, whose speed
+                // nothing here measures, keeps one row at a time.
                 #[cfg(target_arch = "x86_64")]
                 let one_row_on_tiles = features.avx512_vnni().is_some()
                     && matches!(f, Batched::Block(BlockFormat::Q4_0 | BlockFormat::Q4_1));
                 #[cfg(not(target_arch = "x86_64"))]
                 let one_row_on_tiles = false;
                 if m == 1 && !one_row_on_tiles {
-                    // One weight row after the next: one stream (see `prefetch_rows`).
+                    // Two weight rows at a time where the tier has a two-row dot product,
+                    // else one after the next (see `pair_rows`).
                     let quantize = |r: &[f32]| quantize_row(r, f.mins());
-                    self.matmul_pairs(x, m, quantize, f.dot(features), None)
+                    let kernels = PairKernels {
+                        dot: f.dot(features),
+                        dot2: f.dot2(features),
+                        tile: None,
+                    };
+                    self.matmul_pairs(x, m, quantize, kernels)
                 } else if m <= WEIGHT_PARALLEL_MAX_ROWS {
                     self.matmat_by_weight_rows(f, x, m)
                 } else {
@@ -474,8 +506,7 @@ impl QuantMatrix {
         x: &[f32],
         m: usize,
         quantize: impl Fn(&[f32]) -> A + Sync,
-        dot: fn(&[u8], &A) -> f32,
-        tile: Option<PairTile<A>>,
+        kernels: PairKernels<A>,
     ) -> Buf {
         let mut out = Buf::take(m * self.rows);
         if m <= WEIGHT_PARALLEL_MAX_ROWS {
@@ -488,7 +519,7 @@ impl QuantMatrix {
                 .for_each(|(task, dst)| {
                     let n = dst[0].len();
                     let first = task * per_task;
-                    self.pair_rows(first..first + n, &acts, dot, tile, true, |i, r, v| {
+                    self.pair_rows(first..first + n, &acts, kernels, true, |i, r, v| {
                         dst[i][r..r + v.len()].copy_from_slice(v)
                     });
                 });
@@ -506,7 +537,7 @@ impl QuantMatrix {
                         .map(&quantize)
                         .collect();
                     let at = |i: usize, r: usize| i * self.rows + r;
-                    self.pair_rows(0..self.rows, &acts, dot, tile, false, |i, r, v| {
+                    self.pair_rows(0..self.rows, &acts, kernels, false, |i, r, v| {
                         dst[at(i, r)..at(i, r) + v.len()].copy_from_slice(v)
                     });
                 });
@@ -515,9 +546,11 @@ impl QuantMatrix {
     }
 
     /// Weight rows `rows` against `acts` for [`Self::matmul_pairs`]: four rows at a time
-    /// through `tile` if there is one, the rest pair by pair through `dot`; the results for
-    /// activation row `i` from weight row `rows.start + r` on handed to `put(i, r, values)`.
-    /// With `prefetch`, the tile's groups of four rows are asked for ahead ([`Self::quads`]).
+    /// through the kernels' tile if there is one, the rest pair by pair through their `dot`
+    /// (or, against one activation row, two rows at a time through their `dot2`); the
+    /// results for activation row `i` from weight row `rows.start + r` on handed to
+    /// `put(i, r, values)`. With `prefetch`, the tile's groups of four rows are asked for
+    /// ahead ([`Self::quads`]).
     ///
     /// A product of a few activation rows (a batch's decode step) reads its weights from
     /// memory once, and the K-quant tiles waited on them: in their profile a fifth of the
@@ -530,14 +563,13 @@ impl QuantMatrix {
         &self,
         rows: std::ops::Range<usize>,
         acts: &[A],
-        dot: fn(&[u8], &A) -> f32,
-        tile: Option<PairTile<A>>,
+        kernels: PairKernels<A>,
         prefetch: bool,
         mut put: impl FnMut(usize, usize, &[f32]),
     ) {
         let (first, n) = (rows.start, rows.len());
         let mut done = 0;
-        if let Some(tile) = tile {
+        if let Some(tile) = kernels.tile {
             let mut tiles = vec![[0f32; 4]; acts.len()];
             done = n / 4 * 4;
             let mut quad = |row: usize| {
@@ -553,13 +585,26 @@ impl QuantMatrix {
                 (first..first + done).step_by(4).for_each(&mut quad);
             }
         }
+        // Two rows at a time, one from each half of the rows left: two sequential streams,
+        // each row's chain of multiply-adds beside the other's ([`Dot2`]).
+        if let (Some(dot2), [a]) = (kernels.dot2, acts) {
+            let half = (n - done) / 2;
+            for r in done..done + half {
+                let pair = [r, r + half];
+                let v = dot2(pair.map(|r| self.weight_row(first + r)), a);
+                for (r, v) in pair.into_iter().zip(v) {
+                    put(0, r, &[v]);
+                }
+            }
+            done += 2 * half;
+        }
         // One row after the next, one sequential stream: no prefetch of whole rows (see
         // `prefetch_rows`); the dot products on x86 ask for their own bytes a few KiB
         // ahead, a block at a time.
         for r in done..n {
             let w = self.weight_row(first + r);
             for (i, a) in acts.iter().enumerate() {
-                put(i, r, &[dot(w, a)]);
+                put(i, r, &[(kernels.dot)(w, a)]);
             }
         }
     }
@@ -600,7 +645,9 @@ impl QuantMatrix {
     /// 45.7–46.6, the default model (SmolLM2-135M Q4_1) 289–292 against 351–356; capped to
     /// AVX2, Q4_0 53–55 against 38–39, Q4_1 52–53 against 32–35, the default model 262–266
     /// against 200–205. So the AVX-512 VNNI tier keeps the tiles and the AVX2 tiers, like
-    /// Q8_0 and Q5_0 on every tier, read one row after the next.
+    /// Q8_0 and Q5_0 on every tier, read the rows without the tiles: since then two at a
+    /// time, one from each half of a task's rows ([`Dot2`]), each half one sequential
+    /// stream.
     ///
     /// What did pay on Zen 5 is a steady request per cache line a fixed distance ahead,
     /// issued by the dot product itself as it reaches each block: the x86 one-row dot
@@ -928,6 +975,36 @@ fn q5_dot(features: cpu::Features, signed: bool) -> Dot {
 /// A tile of four weight rows against many activation rows, each result its pair's dot
 /// product bit for bit.
 type PairTile<A> = fn([&[u8]; 4], &[A], &mut [[f32; 4]]);
+
+/// Two weight rows against one activation row, each result the row's [`Dot`] bit for bit
+/// (each row keeps its own accumulators, in its own order).
+///
+/// Each block's multiply-add waits on the block before, in ggml's order; against one
+/// activation row that chain, not the memory, bounded the 32-value formats: Q8_0 read ~30
+/// GB/s a core on a Zen 5 where memory gave ~45. Two rows' chains side by side hide each
+/// other's latency. The rows come from the two halves of a task's rows, so each is read
+/// front to back as one sequential stream; two neighbouring rows, tried before, measured
+/// slower than one row at a time (their streams interleave within a few KiB, where the
+/// dot products' prefetches a fixed distance ahead land in the other row).
+type Dot2<A = QuantizedRow> = fn([&[u8]; 2], &A) -> [f32; 2];
+
+/// The kernels [`QuantMatrix::matmul_pairs`] runs a format on.
+struct PairKernels<A> {
+    /// One weight row against one activation row.
+    dot: fn(&[u8], &A) -> f32,
+    /// Two weight rows against one activation row, where the tier has it ([`Dot2`]).
+    dot2: Option<Dot2<A>>,
+    /// Four weight rows against many activation rows, where the format has a tile here.
+    tile: Option<PairTile<A>>,
+}
+
+impl<A> Clone for PairKernels<A> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+
+impl<A> Copy for PairKernels<A> {}
 
 /// Activation rows from which a K-quant product runs four weight rows at a time: a weight
 /// super-block is then unpacked once for all of them rather than once per pair.

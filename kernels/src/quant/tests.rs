@@ -707,6 +707,109 @@ fn the_5_bit_formats_compute_what_ggml_computes_bit_for_bit() {
     say_checked("Q5_0 and Q5_1 dot products", &ran);
 }
 
+/// `rows` weight rows of `blocks` blocks of `format` (a 32-value format), every row
+/// different, with finite f16 scales (and minima).
+fn block_rows(format: Batched, rows: usize, blocks: usize) -> Vec<u8> {
+    let bytes = format.block_bytes();
+    let mut w: Vec<u8> = (0..rows * blocks * bytes)
+        .map(|i| ((i * 131 + 17) % 251) as u8 ^ (i >> 6) as u8)
+        .collect();
+    for (b, block) in w.chunks_exact_mut(bytes).enumerate() {
+        let d = 0.003 + (b % 11) as f32 * 0.0009;
+        block[..2].copy_from_slice(&f16::from_f32(d).to_le_bytes());
+        if format.mins() {
+            let m = -0.02 + (b % 7) as f32 * 0.004;
+            block[2..4].copy_from_slice(&f16::from_f32(m).to_le_bytes());
+        }
+    }
+    w
+}
+
+/// The two-row dot product of a 32-value format on an AVX2 tier.
+#[cfg(target_arch = "x86_64")]
+fn avx2_dot2<T: cpu::ByteDot>(cpu: T, format: Batched) -> Dot2 {
+    match format {
+        Batched::Block(b) => avx2::dot2(cpu, b),
+        Batched::Q5_0 => avx2::dot2_q5(cpu, true),
+        Batched::Q5_1 => avx2::dot2_q5(cpu, false),
+    }
+}
+
+/// The portable one-row dot product of a 32-value format.
+fn portable_batched_dot(format: Batched) -> Dot {
+    match format {
+        Batched::Block(f) => portable_dot(f),
+        Batched::Q5_0 => q5::dot_q5_0,
+        Batched::Q5_1 => q5::dot_q5_1,
+    }
+}
+
+#[test]
+fn two_rows_at_once_give_each_row_its_one_row_dot_product() {
+    let formats = [
+        (WeightFormat::Q4_0, Batched::Block(BlockFormat::Q4_0)),
+        (WeightFormat::Q4_1, Batched::Block(BlockFormat::Q4_1)),
+        (WeightFormat::Q8_0, Batched::Block(BlockFormat::Q8_0)),
+        (WeightFormat::Q5_0, Batched::Q5_0),
+        (WeightFormat::Q5_1, Batched::Q5_1),
+    ];
+    let mut ran = Vec::new();
+    for (format, batched) in formats {
+        // An odd number of blocks (the AVX-512 kernel takes two at a time), and of rows (a
+        // task's halves leave one row over).
+        let (rows, blocks) = (37, 5);
+        let cols = blocks * BLOCK;
+        let w = block_rows(batched, rows, blocks);
+        let row_bytes = blocks * batched.block_bytes();
+        let x: Vec<f32> = (0..cols)
+            .map(|i| ((i * 37 % 101) as f32 - 50.0) * 0.013)
+            .collect();
+        let a = quantize_row(&x, batched.mins());
+        let want: Vec<u32> = w
+            .chunks_exact(row_bytes)
+            .map(|r| portable_batched_dot(batched)(r, &a).to_bits())
+            .collect();
+        #[cfg_attr(not(target_arch = "x86_64"), allow(unused_mut))]
+        let mut dots: Vec<(&str, Dot2)> = Vec::new();
+        #[cfg(target_arch = "x86_64")]
+        {
+            let f = cpu::detect();
+            dots.extend(f.avx2().map(|cpu| ("avx2", avx2_dot2(cpu, batched))));
+            dots.extend(
+                f.avx_vnni()
+                    .map(|cpu| ("avx-vnni", avx2_dot2(cpu, batched))),
+            );
+            if let (Some(cpu), Batched::Block(b)) = (f.avx512_vnni(), batched) {
+                dots.push(("avx512-vnni", avx512::dot2(cpu, b)));
+            }
+        }
+        let row = |r: usize| &w[r * row_bytes..(r + 1) * row_bytes];
+        for (tier, dot2) in dots {
+            for (r0, r1) in [(0, 1), (5, 36), (36, 2)] {
+                let got = dot2([row(r0), row(r1)], &a).map(f32::to_bits);
+                assert_eq!(
+                    got,
+                    [want[r0], want[r1]],
+                    "{format:?} {tier}: rows {r0} and {r1}"
+                );
+            }
+            ran.push(tier);
+        }
+        // The product of one activation row, whichever way this CPU pairs the rows.
+        let mat = QuantMatrix::from_gguf(format, rows, cols, &w).expect("sizes");
+        let got: Vec<u32> = mat.matmul(&x).iter().map(|v| v.to_bits()).collect();
+        assert_eq!(got, want, "{format:?}: one activation row");
+    }
+    if ran.is_empty() {
+        eprintln!(
+            "two-row dot products: none on this CPU's tiers ({})",
+            cpu::detect().tiers().join(", ")
+        );
+    } else {
+        say_checked("two-row dot products", &ran);
+    }
+}
+
 #[test]
 fn weights_quantized_at_load_are_the_blocks_llama_cpp_writes() {
     for (format, name) in [

@@ -12,7 +12,7 @@ use std::arch::x86_64::*;
 use super::avx2::{self, lanes};
 use super::portable::hsum8;
 use super::sse2::prefetch_ahead;
-use super::{BlockFormat, Dot, PackedTile, QuantizedRow, BLOCK};
+use super::{BlockFormat, Dot, Dot2, PackedTile, QuantizedRow, BLOCK};
 use crate::cpu::Avx512Vnni;
 
 /// The four outputs of two paired accumulators (rows 0-1, 2-3): each half reduced as
@@ -197,42 +197,47 @@ fn packed_rows_avx512<const F: u8>(w: [&[u8]; 4], acts: &[QuantizedRow], out: &m
     }
 }
 
-/// One GGUF weight row of format `F` against one activation row, two blocks per 512-bit
-/// register (block `i` in the low half, `i + 1` in the high half): each block's eight
-/// integer lanes are the 256-bit kernel's, and they meet the accumulator one block after
-/// the next with the same scale and fused multiply-add, so the bits are the same.
+/// `R` GGUF weight rows of format `F`, each against the same activation row, two blocks per
+/// 512-bit register (block `i` in the low half, `i + 1` in the high half): each block's
+/// eight integer lanes are the 256-bit kernel's, and they meet the row's accumulator one
+/// block after the next with the same scale and fused multiply-add, so each row's bits are
+/// the same whatever `R` is. With `R` = 2 two rows' chains of multiply-adds run side by
+/// side (see [`Dot2`]).
 #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
-fn row_avx512<const F: u8>(w: &[u8], a: &QuantizedRow) -> f32 {
+fn rows_avx512<const F: u8, const R: usize>(w: [&[u8]; R], a: &QuantizedRow) -> [f32; R] {
     let stride = block_format(F).block_bytes();
     let nb = a.d.len();
-    assert!(w.len() == nb * stride && a.q.len() == nb * BLOCK);
+    assert!(w.iter().all(|w| w.len() == nb * stride) && a.q.len() == nb * BLOCK);
     assert!(F != FMT_Q4_1 || a.s.len() == nb);
-    let mut acc = _mm256_setzero_ps();
-    let mut summs = _mm256_setzero_ps();
+    let mut acc = [_mm256_setzero_ps(); R];
+    let mut summs = [_mm256_setzero_ps(); R];
     for i in (0..nb).step_by(2) {
         let pair = i + 1 < nb;
-        let x = &w[i * stride..];
-        let y = if pair { &x[stride..] } else { x };
-        prefetch_ahead(x.as_ptr(), (2 * stride).div_ceil(64));
-        // SAFETY: `x` and `y` each start a whole block of the row (asserted length), and
-        // the activation bytes read (64 for a pair, 32 for the last odd block) lie inside
-        // `a.q`; all loads are unaligned.
-        let sums = unsafe {
+        // SAFETY: the activation bytes read (64 for a pair, 32 for the last odd block) lie
+        // inside `a.q` (asserted length); the load is unaligned.
+        let qy = unsafe {
             let q = a.q.as_ptr().add(i * BLOCK);
-            let qy = if pair {
+            if pair {
                 _mm512_loadu_si512(q.cast())
             } else {
                 _mm512_zextsi256_si512(_mm256_loadu_si256(q.cast()))
-            };
-            pair_lanes::<F>(x, y, qy)
+            }
         };
-        (acc, summs) = add_block::<F>(x, a, i, _mm512_castps512_ps256(sums), acc, summs);
-        if pair {
-            let high = _mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(_mm512_castps_pd(sums)));
-            (acc, summs) = add_block::<F>(y, a, i + 1, high, acc, summs);
+        for r in 0..R {
+            let x = &w[r][i * stride..];
+            let y = if pair { &x[stride..] } else { x };
+            prefetch_ahead(x.as_ptr(), (2 * stride).div_ceil(64));
+            // SAFETY: `x` and `y` each start a whole block of the row (asserted length).
+            let sums = unsafe { pair_lanes::<F>(x, y, qy) };
+            let low = _mm512_castps512_ps256(sums);
+            (acc[r], summs[r]) = add_block::<F>(x, a, i, low, acc[r], summs[r]);
+            if pair {
+                let high = _mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(_mm512_castps_pd(sums)));
+                (acc[r], summs[r]) = add_block::<F>(y, a, i + 1, high, acc[r], summs[r]);
+            }
         }
     }
-    hsum8(lanes(acc)) + _mm256_cvtss_f32(summs)
+    std::array::from_fn(|r| hsum8(lanes(acc[r])) + _mm256_cvtss_f32(summs[r]))
 }
 
 /// The eight integer lanes of weight block `x` (low half) and of weight block `y` (high
@@ -288,28 +293,33 @@ fn add_block<const F: u8>(
     (_mm256_fmadd_ps(scale, lanes, acc), summs)
 }
 
-fn row_q4_1(w: &[u8], a: &QuantizedRow) -> f32 {
+fn row<const F: u8>(w: &[u8], a: &QuantizedRow) -> f32 {
     // SAFETY: handed out only by `dot`, which takes the AVX-512 VNNI token.
-    unsafe { row_avx512::<FMT_Q4_1>(w, a) }
+    unsafe { rows_avx512::<F, 1>([w], a)[0] }
 }
 
-fn row_q4_0(w: &[u8], a: &QuantizedRow) -> f32 {
-    // SAFETY: as in `row_q4_1`.
-    unsafe { row_avx512::<FMT_Q4_0>(w, a) }
-}
-
-fn row_q8_0(w: &[u8], a: &QuantizedRow) -> f32 {
-    // SAFETY: as in `row_q4_1`.
-    unsafe { row_avx512::<FMT_Q8_0>(w, a) }
+fn rows2<const F: u8>(w: [&[u8]; 2], a: &QuantizedRow) -> [f32; 2] {
+    // SAFETY: handed out only by `dot2`, which takes the AVX-512 VNNI token.
+    unsafe { rows_avx512::<F, 2>(w, a) }
 }
 
 /// The one-row dot product for `format`.
 pub(super) fn dot(cpu: Avx512Vnni, format: BlockFormat) -> Dot {
     let _ = cpu;
     match format {
-        BlockFormat::Q4_1 => row_q4_1,
-        BlockFormat::Q4_0 => row_q4_0,
-        BlockFormat::Q8_0 => row_q8_0,
+        BlockFormat::Q4_1 => row::<FMT_Q4_1>,
+        BlockFormat::Q4_0 => row::<FMT_Q4_0>,
+        BlockFormat::Q8_0 => row::<FMT_Q8_0>,
+    }
+}
+
+/// The two-row dot product for `format`.
+pub(super) fn dot2(cpu: Avx512Vnni, format: BlockFormat) -> Dot2 {
+    let _ = cpu;
+    match format {
+        BlockFormat::Q4_1 => rows2::<FMT_Q4_1>,
+        BlockFormat::Q4_0 => rows2::<FMT_Q4_0>,
+        BlockFormat::Q8_0 => rows2::<FMT_Q8_0>,
     }
 }
 

@@ -998,6 +998,7 @@ struct PairKernels<A> {
     tile: Option<PairTile<A>>,
 }
 
+// By hand: derived, `Clone` and `Copy` would ask `A: Copy` of the activation rows too.
 impl<A> Clone for PairKernels<A> {
     fn clone(&self) -> Self {
         *self

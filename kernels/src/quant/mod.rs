@@ -464,15 +464,18 @@ impl QuantMatrix {
                     .format
                     .batched()
                     .unwrap_or(Batched::Block(BlockFormat::Q8_0));
-                // One activation row against Q4_0 or Q4_1 runs on the AVX-512 VNNI tiles
-                // below, four weight rows at a time: faster than one row after the next on
-                // the default model, even at 1B (see `prefetch_rows`), and than two rows at
-                // a time ([`Dot2`]; 287–326 against 311–386 tok/s on the default model, Zen
-                // 5). On the AVX2 tiers two rows at a time is the faster; arm64, whose speed
-                // nothing here measures, keeps one row at a time.
+                // One activation row against Q4_1 runs on the AVX-512 VNNI tiles below,
+                // four weight rows at a time: faster than one row after the next on the
+                // default model, even at 1B (see `prefetch_rows`), and than two rows at a
+                // time ([`Dot2`]; Zen 5, 2 threads: the default model 285–320 against
+                // 250–276 tok/s, random 1.1B Q4_1 43–53 against 48–52). Q4_0, which carries
+                // no minimum, gains from two rows at 1B (random 1.1B Q4_0 59–62 against
+                // 48–51 tok/s on the tiles; the default model requantized to Q4_0 292–337
+                // against 279–333), and every other case reads two rows at a time too;
+                // arm64, whose speed nothing here measures, reads one row at a time.
                 #[cfg(target_arch = "x86_64")]
-                let one_row_on_tiles = features.avx512_vnni().is_some()
-                    && matches!(f, Batched::Block(BlockFormat::Q4_0 | BlockFormat::Q4_1));
+                let one_row_on_tiles =
+                    features.avx512_vnni().is_some() && f == Batched::Block(BlockFormat::Q4_1);
                 #[cfg(not(target_arch = "x86_64"))]
                 let one_row_on_tiles = false;
                 if m == 1 && !one_row_on_tiles {
@@ -644,10 +647,10 @@ impl QuantMatrix {
     /// tiles: random 1.1B Q4_0 52.6–53.3 against 52.2–52.5 tok/s, Q4_1 46.2–47.5 against
     /// 45.7–46.6, the default model (SmolLM2-135M Q4_1) 289–292 against 351–356; capped to
     /// AVX2, Q4_0 53–55 against 38–39, Q4_1 52–53 against 32–35, the default model 262–266
-    /// against 200–205. So the AVX-512 VNNI tier keeps the tiles and the AVX2 tiers, like
+    /// against 200–205. So the AVX-512 VNNI tier kept the tiles and the AVX2 tiers, like
     /// Q8_0 and Q5_0 on every tier, read the rows without the tiles: since then two at a
     /// time, one from each half of a task's rows ([`Dot2`]), each half one sequential
-    /// stream.
+    /// stream, which Q4_0 on the AVX-512 VNNI tier now does too (see [`Self::matmul`]).
     ///
     /// What did pay on Zen 5 is a steady request per cache line a fixed distance ahead,
     /// issued by the dot product itself as it reaches each block: the x86 one-row dot

@@ -11,7 +11,7 @@ use std::arch::x86_64::*;
 use super::float::{self, Activation, FloatFormat};
 use super::portable::hsum8;
 use super::sse2::{prefetch_ahead, Carry};
-use super::{BlockFormat, Dot, Dot2, QuantizedRow, Tile, Unpacked, BLOCK};
+use super::{Batched, BlockFormat, Dot, Dot2, QuantizedRow, Tile, Unpacked, BLOCK};
 use crate::cpu::{Avx2, ByteDot, Features};
 
 /// `f`, compiled with its tier's target features — AVX2, FMA and F16C, and AVX-VNNI where
@@ -358,7 +358,7 @@ pub(super) fn best_dot(features: Features, format: BlockFormat) -> Option<Dot> {
 
 /// The two-row dot product for `format` on the better of the AVX2 tiers `features` has, if
 /// any.
-pub(super) fn best_dot2(features: Features, format: BlockFormat) -> Option<Dot2> {
+pub(super) fn best_dot2(features: Features, format: Batched) -> Option<Dot2> {
     match features.avx_vnni() {
         Some(cpu) => Some(dot2(cpu, format)),
         None => features.avx2().map(|cpu| dot2(cpu, format)),
@@ -382,15 +382,6 @@ pub(super) fn best_dot_q5(features: Features, signed: bool) -> Option<Dot> {
     }
 }
 
-/// The Q5_0 (`signed`) or Q5_1 two-row dot product on the better of the AVX2 tiers
-/// `features` has, if any.
-pub(super) fn best_dot2_q5(features: Features, signed: bool) -> Option<Dot2> {
-    match features.avx_vnni() {
-        Some(cpu) => Some(dot2_q5(cpu, signed)),
-        None => features.avx2().map(|cpu| dot2_q5(cpu, signed)),
-    }
-}
-
 /// The dot product for `format` on tier `T`.
 pub(super) fn dot<T: ByteDot>(cpu: T, format: BlockFormat) -> Dot {
     let _ = cpu;
@@ -410,7 +401,7 @@ fn dots<const VNNI: bool>(format: BlockFormat) -> Dot {
 }
 
 /// The two-row dot product for `format` on tier `T`.
-pub(super) fn dot2<T: ByteDot>(cpu: T, format: BlockFormat) -> Dot2 {
+pub(super) fn dot2<T: ByteDot>(cpu: T, format: Batched) -> Dot2 {
     let _ = cpu;
     if T::DOT {
         dots2::<true>(format)
@@ -419,11 +410,13 @@ pub(super) fn dot2<T: ByteDot>(cpu: T, format: BlockFormat) -> Dot2 {
     }
 }
 
-fn dots2<const VNNI: bool>(format: BlockFormat) -> Dot2 {
+fn dots2<const VNNI: bool>(format: Batched) -> Dot2 {
     match format {
-        BlockFormat::Q4_1 => rows_q4_1::<VNNI, 2>,
-        BlockFormat::Q4_0 => rows_q4_0::<VNNI, 2>,
-        BlockFormat::Q8_0 => rows_q8_0::<VNNI, 2>,
+        Batched::Block(BlockFormat::Q4_1) => rows_q4_1::<VNNI, 2>,
+        Batched::Block(BlockFormat::Q4_0) => rows_q4_0::<VNNI, 2>,
+        Batched::Block(BlockFormat::Q8_0) => rows_q8_0::<VNNI, 2>,
+        Batched::Q5_0 => rows_q5::<true, VNNI, 2>,
+        Batched::Q5_1 => rows_q5::<false, VNNI, 2>,
     }
 }
 
@@ -492,17 +485,6 @@ pub(super) fn dot_q5<T: ByteDot>(cpu: T, signed: bool) -> Dot {
     }
 }
 
-/// The Q5_0 (`signed`) or Q5_1 two-row dot product on tier `T`.
-pub(super) fn dot2_q5<T: ByteDot>(cpu: T, signed: bool) -> Dot2 {
-    let _ = cpu;
-    match (signed, T::DOT) {
-        (true, false) => rows_q5::<true, false, 2>,
-        (false, false) => rows_q5::<false, false, 2>,
-        (true, true) => rows_q5::<true, true, 2>,
-        (false, true) => rows_q5::<false, true, 2>,
-    }
-}
-
 fn q5<const SIGNED: bool, const VNNI: bool>(w: &[u8], a: &QuantizedRow) -> f32 {
     rows_q5::<SIGNED, VNNI, 1>([w], a)[0]
 }
@@ -511,7 +493,7 @@ fn rows_q5<const SIGNED: bool, const VNNI: bool, const R: usize>(
     w: [&[u8]; R],
     a: &QuantizedRow,
 ) -> [f32; R] {
-    // SAFETY: handed out by `dot_q5` or `dot2_q5`, with its tier's token.
+    // SAFETY: handed out by `dot_q5` or `dot2`, with its tier's token.
     unsafe { on_tier::<VNNI, _>(|| q5_avx2::<SIGNED, VNNI, R>(w, a)) }
 }
 

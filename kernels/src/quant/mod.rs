@@ -159,15 +159,9 @@ impl Batched {
     /// the x86 tiers; arm64, whose speed nothing here measures, keeps one row at a time.
     fn dot2(self, features: cpu::Features) -> Option<Dot2> {
         #[cfg(target_arch = "x86_64")]
-        {
-            match self {
-                Batched::Block(f) => match features.avx512_vnni() {
-                    Some(cpu) => Some(avx512::dot2(cpu, f)),
-                    None => avx2::best_dot2(features, f),
-                },
-                Batched::Q5_0 => avx2::best_dot2_q5(features, true),
-                Batched::Q5_1 => avx2::best_dot2_q5(features, false),
-            }
+        match (self, features.avx512_vnni()) {
+            (Batched::Block(f), Some(cpu)) => Some(avx512::dot2(cpu, f)),
+            _ => avx2::best_dot2(features, self),
         }
         #[cfg(not(target_arch = "x86_64"))]
         {

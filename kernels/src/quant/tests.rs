@@ -725,16 +725,6 @@ fn block_rows(format: Batched, rows: usize, blocks: usize) -> Vec<u8> {
     w
 }
 
-/// The two-row dot product of a 32-value format on an AVX2 tier.
-#[cfg(target_arch = "x86_64")]
-fn avx2_dot2<T: cpu::ByteDot>(cpu: T, format: Batched) -> Dot2 {
-    match format {
-        Batched::Block(b) => avx2::dot2(cpu, b),
-        Batched::Q5_0 => avx2::dot2_q5(cpu, true),
-        Batched::Q5_1 => avx2::dot2_q5(cpu, false),
-    }
-}
-
 /// The portable one-row dot product of a 32-value format.
 fn portable_batched_dot(format: Batched) -> Dot {
     match format {
@@ -774,10 +764,10 @@ fn two_rows_at_once_give_each_row_its_one_row_dot_product() {
         #[cfg(target_arch = "x86_64")]
         {
             let f = cpu::detect();
-            dots.extend(f.avx2().map(|cpu| ("avx2", avx2_dot2(cpu, batched))));
+            dots.extend(f.avx2().map(|cpu| ("avx2", avx2::dot2(cpu, batched))));
             dots.extend(
                 f.avx_vnni()
-                    .map(|cpu| ("avx-vnni", avx2_dot2(cpu, batched))),
+                    .map(|cpu| ("avx-vnni", avx2::dot2(cpu, batched))),
             );
             if let (Some(cpu), Batched::Block(b)) = (f.avx512_vnni(), batched) {
                 dots.push(("avx512-vnni", avx512::dot2(cpu, b)));
@@ -1643,27 +1633,19 @@ fn k_quant_products_give_every_row_its_single_row_result_in_any_batch() {
 fn q5_products_give_every_row_its_dot_product_in_any_batch() {
     // 38 weight rows: quads and rows outside any quad; 3 blocks each.
     let (rows, cols) = (38, 3 * BLOCK);
-    for (format, bytes, signed) in [
-        (WeightFormat::Q5_0, q5::Q5_0_BYTES, true),
-        (WeightFormat::Q5_1, q5::Q5_1_BYTES, false),
+    for (format, batched) in [
+        (WeightFormat::Q5_0, Batched::Q5_0),
+        (WeightFormat::Q5_1, Batched::Q5_1),
     ] {
-        let mut w: Vec<u8> = (0..rows * 3 * bytes)
-            .map(|i| ((i * 131 + 17) % 251) as u8 ^ (i >> 6) as u8)
-            .collect();
-        for (b, block) in w.chunks_exact_mut(bytes).enumerate() {
-            let d = 0.003 + (b % 11) as f32 * 0.0009;
-            block[..2].copy_from_slice(&f16::from_f32(d).to_le_bytes());
-            if !signed {
-                let m = -0.02 + (b % 7) as f32 * 0.004;
-                block[2..4].copy_from_slice(&f16::from_f32(m).to_le_bytes());
-            }
-        }
+        let w = block_rows(batched, rows, 3);
         let mat = QuantMatrix::from_gguf(format, rows, cols, &w).expect("sizes");
-        let dot = if signed { q5::dot_q5_0 } else { q5::dot_q5_1 };
+        let dot = portable_batched_dot(batched);
         let sizes = [2, 7, WEIGHT_PARALLEL_MAX_ROWS + 1, 70];
         assert_batches(&mat, &sizes, &format!("{format:?}"), |x| {
-            let a = quantize_row(x, !signed);
-            w.chunks_exact(3 * bytes).map(|r| dot(r, &a)).collect()
+            let a = quantize_row(x, batched.mins());
+            w.chunks_exact(3 * batched.block_bytes())
+                .map(|r| dot(r, &a))
+                .collect()
         });
     }
 }

@@ -543,11 +543,10 @@ impl QuantMatrix {
     }
 
     /// Weight rows `rows` against `acts` for [`Self::matmul_pairs`]: four rows at a time
-    /// through the kernels' tile if there is one, the rest pair by pair through their `dot`
-    /// (or, against one activation row, two rows at a time through their `dot2`); the
-    /// results for activation row `i` from weight row `rows.start + r` on handed to
-    /// `put(i, r, values)`. With `prefetch`, the tile's groups of four rows are asked for
-    /// ahead ([`Self::quads`]).
+    /// through the kernels' tile if there is one, the rest through their `dot2` two rows at
+    /// a time where they have one, else pair by pair through their `dot`; the results for
+    /// activation row `i` from weight row `rows.start + r` on handed to `put(i, r, values)`.
+    /// With `prefetch`, the tile's groups of four rows are asked for ahead ([`Self::quads`]).
     ///
     /// A product of a few activation rows (a batch's decode step) reads its weights from
     /// memory once, and the K-quant tiles waited on them: in their profile a fifth of the
@@ -584,13 +583,20 @@ impl QuantMatrix {
         }
         // Two rows at a time, one from each half of the rows left: two sequential streams,
         // each row's chain of multiply-adds beside the other's ([`Dot2`]).
-        if let (Some(dot2), [a]) = (kernels.dot2, acts) {
+        if let Some(dot2) = kernels.dot2 {
             let half = (n - done) / 2;
-            for r in done..done + half {
-                let pair = [r, r + half];
-                let v = dot2(pair.map(|r| self.weight_row(first + r)), a);
-                for (r, v) in pair.into_iter().zip(v) {
-                    put(0, r, &[v]);
+            let row_bytes = self.row_bytes();
+            let (low, high) = self
+                .rows_bytes(first + done, first + done + 2 * half)
+                .split_at(half * row_bytes);
+            let pairs = low
+                .chunks_exact(row_bytes)
+                .zip(high.chunks_exact(row_bytes));
+            for (r, (w0, w1)) in (done..).zip(pairs) {
+                for (i, a) in acts.iter().enumerate() {
+                    let [v0, v1] = dot2([w0, w1], a);
+                    put(i, r, &[v0]);
+                    put(i, r + half, &[v1]);
                 }
             }
             done += 2 * half;

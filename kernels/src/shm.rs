@@ -51,6 +51,17 @@ pub fn free_bytes(dir: &Path) -> Option<u64> {
     Some(stat.f_bavail as u64 * stat.f_frsize as u64)
 }
 
+/// A name beside `path`, unique to this process and call, under which a region is sized
+/// before it appears at `path`.
+fn staging_name(path: &Path) -> PathBuf {
+    use std::sync::atomic::Ordering;
+    static NEXT: AtomicU64 = AtomicU64::new(0);
+    let n = NEXT.fetch_add(1, Ordering::Relaxed);
+    let mut name = path.as_os_str().to_os_string();
+    name.push(format!(".{}.{n}.staging", std::process::id()));
+    PathBuf::from(name)
+}
+
 impl SharedRegion {
     /// Creates the file `path` (which must not exist; readable and writable by this user
     /// only) of `len` bytes, zeroed, and maps it.
@@ -72,14 +83,24 @@ impl SharedRegion {
                 ));
             }
         }
+        // The file is sized under a name of its own and only then linked at `path`, so a
+        // process that opens `path` never finds it shorter than `len` (an opener racing
+        // `set_len` would otherwise map an empty or partial file).
+        let staging = staging_name(path);
         let file = OpenOptions::new()
             .read(true)
             .write(true)
             .create_new(true)
             .mode(0o600)
-            .open(path)?;
-        file.set_len(len as u64)?;
-        Self::map(&file, path, len, true)
+            .open(&staging)?;
+        let placed = file
+            .set_len(len as u64)
+            .and_then(|()| std::fs::hard_link(&staging, path));
+        let _ = std::fs::remove_file(&staging);
+        placed?;
+        Self::map(&file, path, len, true).inspect_err(|_| {
+            let _ = std::fs::remove_file(path);
+        })
     }
 
     /// Maps the existing file `path`, all of it.
@@ -261,5 +282,41 @@ mod tests {
         drop(b);
         drop(a);
         assert!(!path.exists(), "the creator removes the file");
+    }
+
+    #[test]
+    fn a_region_opened_while_it_is_being_created_is_never_found_short() {
+        // A peer polls for the region while its creator makes it; whenever the name is
+        // there, the whole region must be.
+        for i in 0..2000 {
+            let path = shared_dir().join(format!("ferrite-shm-race-{}-{i}", std::process::id()));
+            let poll = path.clone();
+            let polling = std::sync::Arc::new(std::sync::Barrier::new(2));
+            let started = polling.clone();
+            let peer = std::thread::spawn(move || {
+                started.wait();
+                loop {
+                    match SharedRegion::open(&poll) {
+                        Ok(r) => return Ok(r.len()),
+                        Err(e) if e.kind() == io::ErrorKind::NotFound => std::hint::spin_loop(),
+                        Err(e) => return Err(e.to_string()),
+                    }
+                }
+            });
+            polling.wait();
+            let region = SharedRegion::create(&path, 1 << 16).expect("creates");
+            assert_eq!(peer.join().expect("peer"), Ok(1 << 16), "attempt {i}");
+            drop(region);
+            let leftovers = std::fs::read_dir(shared_dir())
+                .expect("lists")
+                .filter_map(|e| e.ok())
+                .filter(|e| {
+                    e.file_name()
+                        .to_string_lossy()
+                        .starts_with(&format!("ferrite-shm-race-{}-{i}", std::process::id()))
+                })
+                .count();
+            assert_eq!(leftovers, 0, "nothing is left behind");
+        }
     }
 }

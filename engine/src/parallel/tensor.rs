@@ -106,13 +106,10 @@ impl std::fmt::Debug for TensorGroup {
     }
 }
 
-/// Whether tensor rank 0 has yet to create the region at `path`, or has created the file and
-/// not yet given it its length (an empty file cannot be mapped): a peer then waits.
-fn not_there_yet(path: &Path) -> bool {
-    match std::fs::metadata(path) {
-        Ok(m) => m.len() == 0,
-        Err(e) => e.kind() == std::io::ErrorKind::NotFound,
-    }
+/// Whether opening the region failed only because tensor rank 0 has yet to create it: a
+/// peer then waits. (A region appears at its name already at its full length.)
+fn not_there_yet(e: &std::io::Error) -> bool {
+    e.kind() == std::io::ErrorKind::NotFound
 }
 
 fn region_error(path: &Path, e: std::io::Error) -> Error {
@@ -301,7 +298,7 @@ impl TensorGroup {
                     break r
                 }
                 Ok(_) => {}
-                Err(_) if not_there_yet(path) => {}
+                Err(e) if not_there_yet(&e) => {}
                 Err(e) => return Err(region_error(path, e)),
             }
             if Instant::now() >= deadline {
@@ -654,16 +651,15 @@ mod tests {
     }
 
     #[test]
-    fn a_peer_that_finds_the_region_before_rank_0_sized_it_waits_for_it() {
+    fn a_peer_that_looks_for_the_region_before_rank_0_creates_it_waits_for_it() {
         let (path, id) = (region_path(), [3u8; 32]);
-        // Tensor rank 0 between creating the file and giving it its length.
-        std::fs::write(&path, b"").expect("writes an empty file");
         let p = path.clone();
         let peer = std::thread::spawn(move || {
             TensorGroup::join(&p, 1, 2, id, (1, 1), Duration::from_secs(10)).map(|g| g.rank())
         });
+        // The peer polls meanwhile; the region appears at its name already at full length
+        // (`SharedRegion::create`), so no poll can find it half made.
         std::thread::sleep(Duration::from_millis(100));
-        std::fs::remove_file(&path).expect("removes it");
         let mut driver = TensorGroup::create(&path, 2, 4096, id).expect("creates");
         driver
             .wait_for_peers(Duration::from_secs(10), &[])

@@ -28,6 +28,8 @@ pub struct Engine {
     pub url: String,
     /// The LLMService the pod belongs to.
     pub llmservice: String,
+    /// The model names the pod's container serves.
+    pub served: Vec<String>,
     process: KillOnDrop,
 }
 
@@ -155,6 +157,7 @@ async fn kubelet(
                             Engine {
                                 url: format!("http://{ip}:8000"),
                                 llmservice,
+                                served: served_names(pod),
                                 process,
                             },
                         );
@@ -285,37 +288,67 @@ impl Harness {
             .expect("create the LLMService");
     }
 
-    /// The URLs of `llmservice`'s engines, once `n` answer `/health`.
+    /// The URLs of `llmservice`'s engines, once `n` of the processes this harness started
+    /// are running, answer `/health` and list their pod's model names: an address answered
+    /// by some other process (one left over from another run, say) never counts.
     pub async fn healthy_engines(&self, llmservice: &str, n: usize) -> Vec<String> {
         let http = reqwest::Client::new();
         eventually(
             &format!("{n} healthy engines of {llmservice}"),
             WAIT,
             || {
-                let urls: Vec<String> = self
+                let mut problems = Vec::new();
+                let engines: Vec<(String, Vec<String>)> = self
                     .engines
                     .lock()
                     .expect("engines")
-                    .values()
+                    .values_mut()
                     .filter(|e| e.llmservice == llmservice)
-                    .map(|e| e.url.clone())
+                    .filter_map(|e| match e.process.0.try_wait() {
+                        Ok(None) => Some((e.url.clone(), e.served.clone())),
+                        Ok(Some(status)) => {
+                            problems.push(format!(
+                                "the engine started for {} exited ({status}; its log is \
+                                 under target/e2e-{})",
+                                e.url, self.ns
+                            ));
+                            None
+                        }
+                        Err(err) => {
+                            problems.push(format!("the engine for {}: {err}", e.url));
+                            None
+                        }
+                    })
                     .collect();
                 let http = http.clone();
                 async move {
                     let mut healthy = Vec::new();
-                    for u in urls {
-                        let ok = http
-                            .get(format!("{u}/health"))
+                    for (url, served) in engines {
+                        let up = http
+                            .get(format!("{url}/health"))
                             .timeout(Duration::from_secs(1))
                             .send()
                             .await
                             .is_ok_and(|r| r.status().is_success());
-                        if ok {
-                            healthy.push(u);
+                        if !up {
+                            continue;
+                        }
+                        let mut names = model_ids(&http, &url).await;
+                        names.sort();
+                        let mut served = served;
+                        served.sort();
+                        if names == served {
+                            healthy.push(url);
+                        } else {
+                            problems.push(format!("{url} serves {names:?}, not {served:?}"));
                         }
                     }
                     healthy.sort();
-                    Ok((healthy.len() == n).then_some(healthy))
+                    match healthy.len() == n {
+                        true => Ok(Some(healthy)),
+                        false if problems.is_empty() => Ok(None),
+                        false => Err(problems.join("; ")),
+                    }
                 }
             },
         )
@@ -336,6 +369,27 @@ impl Harness {
             let _ = e.process.0.wait();
         }
     }
+}
+
+/// The model ids `/v1/models` at `base` lists (none if it does not answer).
+async fn model_ids(http: &reqwest::Client, base: &str) -> Vec<String> {
+    let body: Value = match http
+        .get(format!("{base}/v1/models"))
+        .timeout(Duration::from_secs(1))
+        .send()
+        .await
+    {
+        Ok(r) => r.json().await.unwrap_or(Value::Null),
+        Err(_) => Value::Null,
+    };
+    body["data"]
+        .as_array()
+        .map(|a| {
+            a.iter()
+                .filter_map(|m| m["id"].as_str().map(str::to_string))
+                .collect()
+        })
+        .unwrap_or_default()
 }
 
 /// POSTs a chat completion to `base`; its status and JSON body (null when not JSON).

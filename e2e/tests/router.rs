@@ -11,7 +11,7 @@ use std::time::Duration;
 
 use futures::StreamExt;
 use serde_json::{json, Value};
-use support::{chat, metric, python, routable, WAIT};
+use support::{chat, metric, model_ids, python, routable, WAIT};
 
 fn llmservice(name: &str, served: &str, aliases: &[&str], replicas: i32) -> Value {
     json!({
@@ -114,20 +114,7 @@ async fn one_endpoint_routes_by_model_keeps_prefixes_together_and_retries_before
     }
 
     // /v1/models lists every served name; an unknown model is a 404 naming them.
-    let models: Value = http
-        .get(format!("{}/v1/models", h.router))
-        .send()
-        .await
-        .expect("models")
-        .json()
-        .await
-        .expect("json");
-    let ids: Vec<&str> = models["data"]
-        .as_array()
-        .expect("data")
-        .iter()
-        .filter_map(|m| m["id"].as_str())
-        .collect();
+    let ids = model_ids(&http, &h.router).await;
     assert_eq!(ids, ["smol-a", "smol-a-latest", "smol-b", "smol-c"]);
     let (status, reply) = chat(
         &http,

@@ -28,7 +28,7 @@ pub struct Engine {
     pub url: String,
     /// The LLMService the pod belongs to.
     pub llmservice: String,
-    /// The model names the pod's container serves.
+    /// The model names the pod's container serves, sorted.
     pub served: Vec<String>,
     process: KillOnDrop,
 }
@@ -157,7 +157,11 @@ async fn kubelet(
                             Engine {
                                 url: format!("http://{ip}:8000"),
                                 llmservice,
-                                served: served_names(pod),
+                                served: {
+                                    let mut names = served_names(pod);
+                                    names.sort();
+                                    names
+                                },
                                 process,
                             },
                         );
@@ -335,8 +339,6 @@ impl Harness {
                         }
                         let mut names = model_ids(&http, &url).await;
                         names.sort();
-                        let mut served = served;
-                        served.sort();
                         if names == served {
                             healthy.push(url);
                         } else {
@@ -371,8 +373,8 @@ impl Harness {
     }
 }
 
-/// The model ids `/v1/models` at `base` lists (none if it does not answer).
-async fn model_ids(http: &reqwest::Client, base: &str) -> Vec<String> {
+/// The model ids `/v1/models` at `base` lists, in its order (none if it does not answer).
+pub async fn model_ids(http: &reqwest::Client, base: &str) -> Vec<String> {
     let body: Value = match http
         .get(format!("{base}/v1/models"))
         .timeout(Duration::from_secs(1))

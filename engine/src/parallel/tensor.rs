@@ -106,12 +106,6 @@ impl std::fmt::Debug for TensorGroup {
     }
 }
 
-/// Whether opening the region failed only because tensor rank 0 has yet to create it: a
-/// peer then waits. (A region appears at its name already at its full length.)
-fn not_there_yet(e: &std::io::Error) -> bool {
-    e.kind() == std::io::ErrorKind::NotFound
-}
-
 fn region_error(path: &Path, e: std::io::Error) -> Error {
     Error::Group(format!(
         "tensor-parallel shared memory {}: {e}",
@@ -298,7 +292,9 @@ impl TensorGroup {
                     break r
                 }
                 Ok(_) => {}
-                Err(e) if not_there_yet(&e) => {}
+                // Rank 0 has yet to create it (a region appears at its name already at its
+                // full length, so nothing else means "wait").
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
                 Err(e) => return Err(region_error(path, e)),
             }
             if Instant::now() >= deadline {

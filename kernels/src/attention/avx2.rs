@@ -286,23 +286,42 @@ fn heads_avx2<const N: usize, const G: usize>(qr: &[f32], job: HeadJob<'_, f16>,
         }
         let exp = |x: &[f32; CHUNK]| expf_chunk(x);
         softmax_chunk(&scores, n, &mut max, &mut sum, &mut ms, &mut vs, exp);
-        for (j, v) in values.rows(head, d, first, n).enumerate() {
-            let mut vx = [_mm256_setzero_ps(); N];
-            for (c, vx) in vx.iter_mut().enumerate() {
-                *vx = load8(v, 8 * c);
-            }
-            for g in 0..G {
-                if ms[g][j] != 1.0 {
-                    let m = _mm256_set1_ps(ms[g][j]);
-                    for a in &mut acc[g] {
-                        *a = round8(_mm256_mul_ps(*a, m));
+        // The value rows, the check for subnormal weights only in chunks that have one
+        // (`subnormal`): the common chunk runs the plain loop.
+        let subnormal = |w: f32| w > 0.0 && w < f32::MIN_POSITIVE;
+        let tiny = vs.iter().any(|vs| vs[..n].iter().any(|&w| subnormal(w)));
+        let mut values_pass = |check: bool| {
+            for (j, v) in values.rows(head, d, first, n).enumerate() {
+                let mut vx = [_mm256_setzero_ps(); N];
+                for (c, vx) in vx.iter_mut().enumerate() {
+                    *vx = load8(v, 8 * c);
+                }
+                for g in 0..G {
+                    if ms[g][j] != 1.0 {
+                        let m = _mm256_set1_ps(ms[g][j]);
+                        for a in &mut acc[g] {
+                            *a = round8(_mm256_mul_ps(*a, m));
+                        }
+                    }
+                    if check && subnormal(vs[g][j]) && vx.iter().all(|&v| is_finite8(v)) {
+                        // What the multiply-add and rounding give, worked out without
+                        // subnormal arithmetic (see `below_f16`).
+                        for (a, v) in acc[g].iter_mut().zip(&vx) {
+                            *a = below_f16(*a, *v);
+                        }
+                        continue;
+                    }
+                    let w = _mm256_set1_ps(vs[g][j]);
+                    for (a, v) in acc[g].iter_mut().zip(&vx) {
+                        *a = round8(_mm256_fmadd_ps(*v, w, *a));
                     }
                 }
-                let w = _mm256_set1_ps(vs[g][j]);
-                for (a, v) in acc[g].iter_mut().zip(&vx) {
-                    *a = round8(_mm256_fmadd_ps(*v, w, *a));
-                }
             }
+        };
+        if tiny {
+            values_pass(true);
+        } else {
+            values_pass(false);
         }
         first += n;
     }
@@ -315,6 +334,34 @@ fn heads_avx2<const N: usize, const G: usize>(qr: &[f32], job: HeadJob<'_, f16>,
             };
         }
     }
+}
+
+/// Whether all eight lanes are finite.
+#[inline]
+#[target_feature(enable = "avx2")]
+fn is_finite8(x: __m256) -> bool {
+    let abs = _mm256_and_ps(x, _mm256_castsi256_ps(_mm256_set1_epi32(0x7fff_ffff)));
+    _mm256_movemask_ps(_mm256_cmp_ps::<_CMP_LT_OQ>(
+        abs,
+        _mm256_set1_ps(f32::INFINITY),
+    )) == 0xff
+}
+
+/// `round8(fma(v, w, a))` for an f16 accumulator `a`, finite values `v` and a subnormal
+/// weight `w`, without subnormal arithmetic: the AVX-512 kernel's `below_f16` on eight
+/// lanes (a nonzero `a` stays; a zero takes `v`'s sign, or where `v` is a zero too, -0
+/// only if both are).
+#[inline]
+#[target_feature(enable = "avx2")]
+fn below_f16(a: __m256, v: __m256) -> __m256 {
+    let zero = _mm256_setzero_ps();
+    let a_zero = _mm256_cmp_ps::<_CMP_EQ_OQ>(a, zero);
+    let v_zero = _mm256_cmp_ps::<_CMP_EQ_OQ>(v, zero);
+    let sign = _mm256_set1_ps(-0.0);
+    let of_v = _mm256_and_ps(v, sign);
+    let both = _mm256_and_ps(_mm256_and_ps(a, v), sign);
+    let zeros = _mm256_blendv_ps(of_v, both, v_zero);
+    _mm256_blendv_ps(a, zeros, a_zero)
 }
 
 /// The head kernel for heads of `head_dim` values, where there is one.

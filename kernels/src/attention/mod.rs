@@ -741,6 +741,85 @@ mod tests {
         }
     }
 
+    #[test]
+    fn subnormal_weights_and_signed_zeros_keep_the_portable_loops_bits() {
+        // Scores spread far below the maximum give weights `exp(s - max)` below 2^-126 (the
+        // kernels add those without subnormal arithmetic), next to weights of zero, normal
+        // ones and a raised maximum; value rows hold zeros of both signs, f16 subnormals,
+        // infinities in one row, so accumulators sit at +0 and -0 when the tiny weights
+        // arrive.
+        let (d, heads, n) = (64, 4, 80);
+        // Head h's query is c_h at value 0, so its score at position p is c_h · x_p / 8.
+        let c = [8.0f32, 4.0, 16.0, 8.5];
+        let x = |p: usize| -> f32 {
+            match p {
+                0 => 0.0,
+                37 => 3.0,
+                p if p % 7 == 3 => -1.5,
+                p if p % 11 == 5 => -200.0,
+                p => -86.0 - (p % 19) as f32,
+            }
+        };
+        let keys: Vec<f32> = (0..n)
+            .flat_map(|p| (0..d).map(move |i| if i == 0 { x(p) } else { 0.0 }))
+            .collect();
+        let values: Vec<f32> = (0..n)
+            .flat_map(|p| {
+                (0..d).map(move |i| match (p, i % 8) {
+                    (0, 0..=3) => 0.0,
+                    (0, 4..=6) => -0.0,
+                    (50, 7) => f32::INFINITY,
+                    (_, 0) => -0.0,
+                    (_, 1) => 0.0,
+                    (_, 2) => 6.0e-8,
+                    (_, 3) => -6.0e-8,
+                    _ => val(p * d + i, 9),
+                })
+            })
+            .collect();
+        let (kc, vc) = (f16_cache(&keys, 1, d), f16_cache(&values, 1, d));
+        let r = 16 * d;
+        let (kb, vb): (Vec<&[f16]>, Vec<&[f16]>) = (kc.chunks(r).collect(), vc.chunks(r).collect());
+        let kv = |b| KvBlocks {
+            blocks: b,
+            block_size: 16,
+        };
+        let seqs = [SeqKv {
+            keys: kv(&kb),
+            values: kv(&vb),
+            tokens: n,
+        }];
+        let positions: Vec<usize> = (0..n).collect();
+        let q: Vec<f32> = (0..n)
+            .flat_map(|_| {
+                c.iter()
+                    .flat_map(|&c| (0..d).map(move |i| if i == 0 { c } else { 0.0 }))
+            })
+            .collect();
+        assert!((-100.0f32).exp() < f32::MIN_POSITIVE && (-100.0f32).exp() > 0.0);
+        for group in 1..=heads {
+            let shape = HeadShape {
+                heads: group,
+                kv_heads: 1,
+                head_dim: d,
+            };
+            let q: Vec<f32> = q
+                .chunks(heads * d)
+                .flat_map(|row| &row[..group * d])
+                .copied()
+                .collect();
+            let run = |k: Option<HeadKernel<f16>>| {
+                let mut out = vec![0f32; q.len()];
+                attention_with(&q, &positions, &seqs, shape, &mut out, k);
+                out.iter().map(|v| v.to_bits()).collect::<Vec<_>>()
+            };
+            let portable = run(None);
+            for (tier, kernel) in vector_head_kernels(d) {
+                assert_eq!(run(Some(kernel)), portable, "{tier} kernel, {group} heads");
+            }
+        }
+    }
+
     /// Each vector head kernel for heads of `d` values that this CPU runs, by tier (all of
     /// them, not only the one attention picks); says which tiers it could not check.
     #[cfg(target_arch = "x86_64")]

@@ -725,19 +725,8 @@ mod tests {
                 kv_heads,
                 head_dim: d,
             };
-            let run = |k: Option<HeadKernel<f16>>| {
-                let mut out = vec![0f32; q.len()];
-                attention_with(&q, &positions, &seqs, shape, &mut out, k);
-                out.iter().map(|v| v.to_bits()).collect::<Vec<_>>()
-            };
-            let portable = run(None);
-            for (tier, kernel) in vector_head_kernels(d) {
-                assert_eq!(
-                    run(Some(kernel)),
-                    portable,
-                    "{tier} kernel, head_dim {d}, {heads}/{kv_heads} heads"
-                );
-            }
+            let what = format!("head_dim {d}, {heads}/{kv_heads} heads");
+            assert_kernels_equal_portable(&q, &positions, &seqs, shape, &what);
         }
     }
 
@@ -808,15 +797,28 @@ mod tests {
                 .flat_map(|row| &row[..group * d])
                 .copied()
                 .collect();
-            let run = |k: Option<HeadKernel<f16>>| {
-                let mut out = vec![0f32; q.len()];
-                attention_with(&q, &positions, &seqs, shape, &mut out, k);
-                out.iter().map(|v| v.to_bits()).collect::<Vec<_>>()
-            };
-            let portable = run(None);
-            for (tier, kernel) in vector_head_kernels(d) {
-                assert_eq!(run(Some(kernel)), portable, "{tier} kernel, {group} heads");
-            }
+            let what = format!("{group} heads");
+            assert_kernels_equal_portable(&q, &positions, &seqs, shape, &what);
+        }
+    }
+
+    /// Asserts that every vector head kernel this CPU runs gives the portable loop's bits for
+    /// this attention call (`what` names the case).
+    fn assert_kernels_equal_portable(
+        q: &[f32],
+        positions: &[usize],
+        seqs: &[SeqKv<'_, f16>],
+        shape: HeadShape,
+        what: &str,
+    ) {
+        let run = |k: Option<HeadKernel<f16>>| {
+            let mut out = vec![0f32; q.len()];
+            attention_with(q, positions, seqs, shape, &mut out, k);
+            out.iter().map(|v| v.to_bits()).collect::<Vec<_>>()
+        };
+        let portable = run(None);
+        for (tier, kernel) in vector_head_kernels(shape.head_dim) {
+            assert_eq!(run(Some(kernel)), portable, "{tier} kernel, {what}");
         }
     }
 

@@ -318,6 +318,7 @@ fn heads_avx2<const N: usize, const G: usize>(qr: &[f32], job: HeadJob<'_, f16>,
                 }
             }
         };
+        // Two calls, each compiled for its constant.
         if tiny {
             values_pass(true);
         } else {

@@ -66,10 +66,10 @@ fn is_finite16(x: __m512) -> bool {
 /// than ~87 below their maximum meets such weights (`exp(s - max)`) in most of its keys: on
 /// an Intel Xeon (Sapphire Rapids class), 2 threads, a random-weight model of Llama 3 8B's
 /// layer shape (hidden 4096, 32 query and 8 KV heads of 128), 2048-token prompts took
-/// 52.1–54.8 -> 86.4–90.3 tok/s with this. `|v · w|` is below 2^-110: added to a nonzero f16 it leaves
-/// it as it is; added to a zero it gives a zero (or an f32 subnormal that rounds to one)
-/// with the product's sign, `v`'s, or, where `v` is a zero too, the sum of two zeros (-0
-/// only if both are).
+/// 52.1–54.8 -> 86.4–90.3 tok/s with this. `|v · w|` is below 2^-110: added to a nonzero
+/// f16 it leaves it as it is; added to a zero it gives a zero (or an f32 subnormal that
+/// rounds to one) with the product's sign, `v`'s, or, where `v` is a zero too, the sum of
+/// two zeros (-0 only if both are).
 #[inline]
 #[target_feature(enable = "avx512f")]
 fn below_f16(a: __m512, v: __m512) -> __m512 {

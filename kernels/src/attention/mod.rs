@@ -785,7 +785,22 @@ mod tests {
                     .flat_map(|&c| (0..d).map(move |i| if i == 0 { c } else { 0.0 }))
             })
             .collect();
-        assert!((-100.0f32).exp() < f32::MIN_POSITIVE && (-100.0f32).exp() > 0.0);
+        // The case this test is for: the first head (the one a group of one keeps) meets
+        // weights `exp(s - max)` below 2^-126 at many positions, its running maximum taken
+        // as the loop takes it (scale 1/8).
+        let mut max = f32::NEG_INFINITY;
+        let subnormal_weights = (0..n)
+            .filter(|&p| {
+                let s = c[0] * x(p) / 8.0;
+                max = max.max(s);
+                let w = (s - max).exp();
+                w > 0.0 && w < f32::MIN_POSITIVE
+            })
+            .count();
+        assert!(
+            subnormal_weights >= 20,
+            "{subnormal_weights} subnormal weights"
+        );
         for group in 1..=heads {
             let shape = HeadShape {
                 heads: group,

@@ -58,6 +58,8 @@ pub fn detect() -> Features {
             .as_deref()
             .and_then(tiers_up_to)
             .unwrap_or(TIER_NAMES.len());
+        #[cfg(target_arch = "x86_64")]
+        crate::quant::sse2::tune_prefetch();
         Features::probe().capped(tiers)
     })
 }

@@ -41,7 +41,7 @@ mod q5;
 pub mod quantize;
 #[cfg(target_arch = "x86_64")]
 #[allow(unsafe_code)]
-mod sse2;
+pub(crate) mod sse2;
 #[cfg(test)]
 mod tests;
 
@@ -654,7 +654,7 @@ impl QuantMatrix {
     ///
     /// What did pay on Zen 5 is a steady request per cache line a fixed distance ahead,
     /// issued by the dot product itself as it reaches each block: the x86 one-row dot
-    /// products of every format do so (`sse2::PREFETCH_AHEAD`).
+    /// products of every format do so (`sse2::prefetch_ahead`).
     fn prefetch_rows(&self, from: usize, to: usize, end: usize) {
         let to = to.min(end);
         if from >= to {

@@ -49,7 +49,8 @@ pub(crate) const TIER_NAMES: &[&str] = &["portable", "neon", "neon-dotprod"];
 pub(crate) const TIER_NAMES: &[&str] = &["portable"];
 
 /// The CPU's tiers, checked at the first call and remembered, capped by
-/// [`TIER_CAP_VAR`] when it names a tier.
+/// [`TIER_CAP_VAR`] when it names a tier. On x86 the first call also sets how far ahead the
+/// one-row dot products prefetch for this CPU's vendor (a hint, no effect on any result).
 pub fn detect() -> Features {
     static FEATURES: OnceLock<Features> = OnceLock::new();
     *FEATURES.get_or_init(|| {

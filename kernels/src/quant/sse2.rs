@@ -121,12 +121,9 @@ fn prefetch_distance() -> usize {
 
 /// Whether the CPU's vendor string (CPUID leaf 0) is Intel's, "GenuineIntel".
 fn is_intel() -> bool {
+    // The twelve bytes come in ebx, edx, ecx, in that order, each little-endian.
     let id = __cpuid(0);
-    let vendor: Vec<u8> = [id.ebx, id.edx, id.ecx]
-        .iter()
-        .flat_map(|w| w.to_le_bytes())
-        .collect();
-    vendor == b"GenuineIntel"
+    [id.ebx, id.edx, id.ecx].map(u32::to_le_bytes) == [*b"Genu", *b"ineI", *b"ntel"]
 }
 
 /// Asks for `lines` cache lines from [`prefetch_distance`] bytes past `b`: a hint, with no

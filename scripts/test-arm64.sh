@@ -25,7 +25,9 @@ export CARGO_TARGET_AARCH64_UNKNOWN_LINUX_GNU_RUNNER="qemu-aarch64 -L /usr/aarch
 export CARGO_TARGET_AARCH64_UNKNOWN_LINUX_GNU_RUSTFLAGS="-C target-cpu=generic"
 export CC_aarch64_unknown_linux_gnu=aarch64-linux-gnu-gcc
 cd "$ROOT"
-CARGO=(cargo test --quiet --target "$TARGET" --target-dir target/aarch64)
+# The arm64 profile (Cargo.toml): Ferrite's crates optimized as in the test profile, their
+# dependencies not; the tests exercise Ferrite's kernels and engine, not the dependencies.
+CARGO=(cargo test --quiet --profile arm64 --target "$TARGET" --target-dir target/aarch64)
 echo "arm64 under qemu-user: the kernels' NEON tier against the portable one and ggml's results, and the tiny models"
 "${CARGO[@]}" -p ferrite-kernels
 "${CARGO[@]}" -p ferrite-engine --test tiny_models --test quantize_at_load

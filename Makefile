@@ -63,11 +63,12 @@ test: model pyenv k8s
 	$(CARGO) test --workspace --doc
 	# llama.cpp parity again on each lower instruction-set tier: every tier computes the same.
 	# A tier this CPU lacks (its /proc/cpuinfo flag absent) is skipped, not run again as the one below.
+	# --workspace, not -p ferrite-engine: the same features as the build above, so nothing rebuilds.
 	for tier in portable avx2 avx-vnni; do \
 	  if [ $$tier != portable ] && ! grep -qw "$$(echo $$tier | tr - _)" /proc/cpuinfo; then \
 	    echo "llama.cpp parity: no $$tier on this CPU, not run"; continue; \
 	  fi; \
-	  FERRITE_CPU_TIER=$$tier $(CARGO) test --quiet -p ferrite-engine --test llamacpp_parity; \
+	  FERRITE_CPU_TIER=$$tier $(CARGO) test --quiet --workspace --test llamacpp_parity; \
 	done
 	FERRITE_BIN=$(CURDIR)/target/debug/ferrite-engine FERRITE_PROMETHEUS_DIR="$$(scripts/build-prometheus.sh --print-dir)" \
 	  "$$(scripts/python-env.sh)" -m pytest -q tests/api tests/chart

@@ -357,7 +357,7 @@ mod tests {
                 1 + usize::from(f.neon().is_some()) + usize::from(f.neon_dotprod().is_some())
             );
         }
-        eprintln!("kernel tiers this CPU runs: {}", tiers.join(", "));
+        tell!("kernel tiers this CPU runs: {}", tiers.join(", "));
     }
 
     #[test]

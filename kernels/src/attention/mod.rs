@@ -470,11 +470,11 @@ mod tests {
         let mut tiers: Vec<(&str, Expf)> = Vec::new();
         match cpu.avx512() {
             Some(cpu) => tiers.push(("AVX-512", Box::new(move |x| avx512::expf16(cpu, x)))),
-            None => eprintln!("AVX-512 expf not checked: {NO_TIER} AVX-512"),
+            None => tell!("AVX-512 expf not checked: {NO_TIER} AVX-512"),
         }
         match cpu.avx2() {
             Some(cpu) => tiers.push(("AVX2", Box::new(move |x| avx2::expf16(cpu, x)))),
-            None => eprintln!("AVX2 expf not checked: {NO_TIER} AVX2"),
+            None => tell!("AVX2 expf not checked: {NO_TIER} AVX2"),
         }
         // The edges of glibc's special cases, zeros, infinities, NaN, subnormals, then every
         // 4099th bit pattern of the whole float range.
@@ -845,11 +845,11 @@ mod tests {
         let cpu = cpu::detect();
         match cpu.avx512() {
             Some(cpu) => kernels.extend(avx512::head_kernel(cpu, d).map(|k| ("AVX-512", k))),
-            None => eprintln!("AVX-512 head kernel not checked: {NO_TIER} AVX-512"),
+            None => tell!("AVX-512 head kernel not checked: {NO_TIER} AVX-512"),
         }
         match cpu.avx2() {
             Some(cpu) => kernels.extend(avx2::head_kernel(cpu, d).map(|k| ("AVX2", k))),
-            None => eprintln!("AVX2 head kernel not checked: {NO_TIER} AVX2"),
+            None => tell!("AVX2 head kernel not checked: {NO_TIER} AVX2"),
         }
         kernels
     }
@@ -857,7 +857,7 @@ mod tests {
     /// No architecture but x86-64 has vector head kernels: says so.
     #[cfg(not(target_arch = "x86_64"))]
     fn vector_head_kernels(_d: usize) -> Vec<(&'static str, HeadKernel<f16>)> {
-        eprintln!("no vector head kernel on this architecture: the portable loop is all");
+        tell!("no vector head kernel on this architecture: the portable loop is all");
         Vec::new()
     }
 

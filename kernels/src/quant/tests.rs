@@ -154,7 +154,7 @@ fn say_checked(what: &str, ran: &[&str]) {
             checked.push(tier);
         }
     }
-    eprintln!(
+    tell!(
         "{what} checked on {}; this CPU's tiers: {}",
         checked.join(", "),
         cpu::detect().tiers().join(", ")
@@ -791,7 +791,7 @@ fn two_rows_at_once_give_each_row_its_one_row_dot_product() {
         assert_eq!(got, want, "{format:?}: one activation row");
     }
     if ran.is_empty() {
-        eprintln!(
+        tell!(
             "two-row dot products: none on this CPU's tiers ({})",
             cpu::detect().tiers().join(", ")
         );
@@ -905,13 +905,13 @@ fn float_kernels_match_the_portable_code_bit_for_bit() {
         .iter()
         .all(|(_, k)| k.pair_tiles(FloatFormat::BF16).is_none())
     {
-        eprintln!("BF16 vdpbf16ps tiles not checked: no AVX-512 BF16 tier here (the CPU lacks it or FERRITE_CPU_TIER caps it)");
+        tell!("BF16 vdpbf16ps tiles not checked: no AVX-512 BF16 tier here (the CPU lacks it or FERRITE_CPU_TIER caps it)");
     }
     if kernels
         .iter()
         .all(|(_, k)| k.stored_tiles(FloatFormat::F16).is_none())
     {
-        eprintln!("tiles on stored F16 and BF16 rows not checked: no AVX2 or AVX-512 tier here (the CPU lacks them or FERRITE_CPU_TIER caps them)");
+        tell!("tiles on stored F16 and BF16 rows not checked: no AVX2 or AVX-512 tier here (the CPU lacks them or FERRITE_CPU_TIER caps them)");
     }
     for format in [FloatFormat::F32, FloatFormat::F16, FloatFormat::BF16] {
         for n in [1, 63, 64, 100, 128, 200, 576, 1000, 2300, 4200] {
@@ -1481,10 +1481,10 @@ fn the_q8_k_quantizers_equal_the_portable_loop_bit_for_bit() {
     }
     #[cfg(target_arch = "x86_64")]
     if crate::cpu::detect().avx512().is_none() {
-        eprintln!("AVX-512 Q8_K quantizer not checked: no AVX-512 tier here (the CPU lacks it or FERRITE_CPU_TIER caps it)");
+        tell!("AVX-512 Q8_K quantizer not checked: no AVX-512 tier here (the CPU lacks it or FERRITE_CPU_TIER caps it)");
     }
     #[cfg(not(target_arch = "x86_64"))]
-    eprintln!("no vector Q8_K quantizer on this architecture: the portable loop is all");
+    tell!("no vector Q8_K quantizer on this architecture: the portable loop is all");
 }
 
 #[test]
@@ -1555,7 +1555,7 @@ fn k_quant_tiles_give_every_pair_its_dot_product_bit_for_bit() {
         }));
     }
     if tiers.iter().all(|(_, tile)| tile(KFormat::Q4K).is_none()) {
-        eprintln!(
+        tell!(
             "K-quant tiles: no vector tier here ({}; the CPU lacks one or FERRITE_CPU_TIER caps it), only the pairwise path was checked",
             features.tiers().join(", ")
         );
@@ -1600,7 +1600,7 @@ fn k_quant_tiles_give_every_pair_its_dot_product_bit_for_bit() {
             .collect();
         for (tier, tile) in &tiers {
             let Some(tile) = tile(format) else {
-                eprintln!("{name}: no {tier} tile (not on this CPU, or none for the format)");
+                tell!("{name}: no {tier} tile (not on this CPU, or none for the format)");
                 continue;
             };
             for n in [1, 2, 5, 37] {

@@ -431,7 +431,7 @@ mod tests {
     #[test]
     fn the_wide_kernel_matches_the_portable_code_bit_for_bit() {
         let Some(cpu) = crate::cpu::detect().avx512_vnni() else {
-            eprintln!("not checked: this CPU has no AVX-512 VNNI");
+            tell!("not checked: this CPU has no AVX-512 VNNI");
             return;
         };
         let blocks = 5;

@@ -221,11 +221,7 @@ fn report(args: ReportArgs) -> Result<()> {
             args.results.display()
         )));
     }
-    let m = &results.machine;
-    let mut out = format!(
-        "Machine: {}; {} logical cores, {} GiB.\n\n",
-        m.cpu, m.cores, m.memory_gib
-    );
+    let mut out = format!("{}\n\n", results.machine.header());
     out.push_str(&table(&results.runs.iter().collect::<Vec<_>>()));
     for peer in results.labels().into_iter().filter(|l| *l != args.ours) {
         if let Some(t) = ratios(&results, &args.ours, &peer) {

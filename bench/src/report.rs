@@ -12,8 +12,13 @@ use crate::{Error, Result};
 /// The machine the runs were measured on.
 #[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
 pub struct Machine {
-    /// CPU model name.
+    /// CPU model name, with its family and model numbers where `/proc/cpuinfo` gives them.
     pub cpu: String,
+    /// Ferrite's kernel tiers on this CPU, lowest first, as a process started with the
+    /// benchmark's environment detects them (`FERRITE_CPU_TIER` caps them); empty in results
+    /// recorded before the tiers were.
+    #[serde(default)]
+    pub tiers: Vec<String>,
     /// Logical cores.
     pub cores: usize,
     /// Memory, GiB.
@@ -21,10 +26,9 @@ pub struct Machine {
 }
 
 impl Machine {
-    /// This machine, from `/proc/cpuinfo` and `/proc/meminfo` (empty fields elsewhere).
+    /// This machine, from `/proc/cpuinfo`, `/proc/meminfo` and the kernels' CPU detection
+    /// (empty fields where there is no `/proc`).
     pub fn this() -> Self {
-        let cpuinfo = std::fs::read_to_string("/proc/cpuinfo").unwrap_or_default();
-        let cpu = cpu_name(&cpuinfo);
         let meminfo = std::fs::read_to_string("/proc/meminfo").unwrap_or_default();
         let kib: f64 = meminfo
             .lines()
@@ -32,29 +36,26 @@ impl Machine {
             .and_then(|l| l.split_whitespace().nth(1))
             .and_then(|v| v.parse().ok())
             .unwrap_or(0.0);
+        let tiers = ferrite_kernels::cpu::detect().tiers();
         Self {
-            cpu,
+            cpu: ferrite_kernels::cpu::model_name(),
+            tiers: tiers.into_iter().map(String::from).collect(),
             cores: std::thread::available_parallelism().map_or(0, |n| n.get()),
             memory_gib: (kib / 1024.0 / 1024.0 * 10.0).round() / 10.0,
         }
     }
-}
 
-/// The CPU's model name in `/proc/cpuinfo` text, with its family and model numbers where
-/// it gives them (x86): some VMs name only the vendor's line ("AMD EPYC"), which does not
-/// tell one generation from the next.
-fn cpu_name(cpuinfo: &str) -> String {
-    let field = |name: &str| {
-        cpuinfo
-            .lines()
-            .find(|l| l.split(':').next().map(str::trim) == Some(name))
-            .and_then(|l| l.split_once(':'))
-            .map(|(_, v)| v.trim().to_string())
-    };
-    let name = field("model name").unwrap_or_default();
-    match (field("cpu family"), field("model")) {
-        (Some(family), Some(model)) => format!("{name} (family {family}, model {model})"),
-        _ => name,
+    /// The line that heads a report: the CPU, Ferrite's kernel tiers on it, cores and memory.
+    pub fn header(&self) -> String {
+        let tiers = if self.tiers.is_empty() {
+            "not recorded".to_string()
+        } else {
+            self.tiers.join(", ")
+        };
+        format!(
+            "Machine: {}; Ferrite's kernel tiers: {tiers}; {} logical cores, {} GiB.",
+            self.cpu, self.cores, self.memory_gib
+        )
     }
 }
 
@@ -262,12 +263,34 @@ mod tests {
     use super::*;
 
     #[test]
-    fn the_cpu_name_carries_its_family_and_model_where_cpuinfo_has_them() {
-        let zen5 = "processor\t: 0\nvendor_id\t: AuthenticAMD\ncpu family\t: 26\n\
-                    model\t\t: 2\nmodel name\t: AMD EPYC\nstepping\t: 1\n";
-        assert_eq!(cpu_name(zen5), "AMD EPYC (family 26, model 2)");
-        // arm64's cpuinfo has neither a model name nor a family: nothing is made up.
-        assert_eq!(cpu_name("processor\t: 0\nCPU part\t: 0xd0c\n"), "");
+    fn the_report_header_names_the_cpu_and_the_kernel_tiers() {
+        let this = Machine::this();
+        assert!(
+            this.tiers.first().map(String::as_str) == Some("portable"),
+            "{this:?}"
+        );
+        let header = this.header();
+        assert!(
+            header.starts_with(&format!("Machine: {};", this.cpu)),
+            "{header}"
+        );
+        assert!(
+            header.contains(&format!(
+                "Ferrite's kernel tiers: {};",
+                this.tiers.join(", ")
+            )),
+            "{header}"
+        );
+        // Results recorded before the tiers were still load, and say so.
+        let old: Machine = serde_json::from_str(
+            r#"{"cpu": "AMD EPYC (family 25, model 17)", "cores": 2, "memory_gib": 23.5}"#,
+        )
+        .expect("an older machine record");
+        assert_eq!(
+            old.header(),
+            "Machine: AMD EPYC (family 25, model 17); Ferrite's kernel tiers: not recorded; \
+             2 logical cores, 23.5 GiB."
+        );
     }
 
     fn run(label: &str, load: Load, tok_s: f64, ttft: f64) -> Run {

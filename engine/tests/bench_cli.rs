@@ -1,7 +1,7 @@
-//! `ferrite-engine bench` prints every table `make bench` puts in the README: the
-//! single-stream figures, the burst batching table, the split of each burst's decode step
-//! and the steady-traffic table, with a row per concurrency and the ratios to one request
-//! (over repeated rounds, the medians' ratio and the range of the rounds' own).
+//! `ferrite-engine bench` prints every table `make bench` puts in the README: the CPU and its
+//! kernel tiers, the single-stream figures, the burst batching table, the split of each burst's
+//! decode step and the steady-traffic table, with a row per concurrency and the ratios to one
+//! request (over repeated rounds, the medians' ratio and the range of the rounds' own).
 
 mod common;
 
@@ -51,6 +51,8 @@ fn bench_prints_burst_and_steady_tables_with_a_row_per_concurrency() {
         "2",
     ]);
     for want in [
+        "| CPU | ",
+        "| kernel tiers | portable",
         "| prompt processing (24 tokens) |",
         "| single-stream decode (4 tokens) |",
         "all requests sent at once",

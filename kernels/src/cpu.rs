@@ -2,6 +2,7 @@
 //! proof token that only [`detect`] makes; every vector kernel takes the token of its tier
 //! (or is handed out by a function that does), so no path can run instructions the CPU
 //! lacks, and the portable code stays the reference each tier must equal bit for bit.
+//! Benchmark tables name the CPU ([`model_name`]) and these tiers beside their figures.
 
 use std::sync::OnceLock;
 
@@ -63,6 +64,30 @@ pub fn detect() -> Features {
         crate::quant::sse2::tune_prefetch();
         Features::probe().capped(tiers)
     })
+}
+
+/// This CPU's model name as `/proc/cpuinfo` gives it, with its family and model numbers
+/// where it gives them (x86): some VMs name only the vendor's line ("AMD EPYC"), which does
+/// not tell one generation from the next. Empty where there is no `/proc/cpuinfo` or it
+/// names no model (arm64's names neither): nothing is made up.
+pub fn model_name() -> String {
+    model_name_in(&std::fs::read_to_string("/proc/cpuinfo").unwrap_or_default())
+}
+
+/// [`model_name`] from the text of `/proc/cpuinfo` (its first processor's fields).
+fn model_name_in(cpuinfo: &str) -> String {
+    let field = |name: &str| {
+        cpuinfo
+            .lines()
+            .find(|l| l.split(':').next().map(str::trim) == Some(name))
+            .and_then(|l| l.split_once(':'))
+            .map(|(_, v)| v.trim().to_string())
+    };
+    let name = field("model name").unwrap_or_default();
+    match (field("cpu family"), field("model")) {
+        (Some(family), Some(model)) => format!("{name} (family {family}, model {model})"),
+        _ => name,
+    }
 }
 
 /// How many tiers, from `portable` up, the name `cap` allows (`avx2`: 2).
@@ -328,6 +353,15 @@ impl Avx512Vnni {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_model_name_carries_its_family_and_model_where_cpuinfo_has_them() {
+        let zen5 = "processor\t: 0\nvendor_id\t: AuthenticAMD\ncpu family\t: 26\n\
+                    model\t\t: 2\nmodel name\t: AMD EPYC\nstepping\t: 1\n";
+        assert_eq!(model_name_in(zen5), "AMD EPYC (family 26, model 2)");
+        // arm64's cpuinfo has neither a model name nor a family: nothing is made up.
+        assert_eq!(model_name_in("processor\t: 0\nCPU part\t: 0xd0c\n"), "");
+    }
 
     #[test]
     fn tiers_nest_and_are_named_lowest_first() {

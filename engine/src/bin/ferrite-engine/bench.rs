@@ -149,6 +149,11 @@ pub fn run(args: &BenchArgs) -> Result<()> {
     println!("| figure | value |");
     println!("|---|---|");
     println!("| model | {} |", loaded.path.display());
+    println!("| CPU | {} |", ferrite_kernels::cpu::model_name());
+    println!(
+        "| kernel tiers | {} |",
+        ferrite_kernels::cpu::detect().tiers().join(", ")
+    );
     println!("| threads | {} |", rayon::current_num_threads());
     println!(
         "| prompt processing ({} tokens) | {pp_best:.1} tok/s |",

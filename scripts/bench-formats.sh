@@ -6,8 +6,8 @@
 # and quantized by llama.cpp's llama-quantize, all cached in ~/.cache/ferrite/models. Per
 # format, each server in turn (one at a time, 2 threads): short prompts at concurrency 1
 # and 16, and ~1000-token prompts at concurrency 1. Each format's tables and Ferrite /
-# llama.cpp ratios go to bench/results/formats-<FORMAT>.md, headed by the CPU and the
-# instruction-set tiers the kernels ran.
+# llama.cpp ratios go to bench/results/formats-<FORMAT>.md, the CPU and Ferrite's kernel
+# tiers in its report's machine line (ferrite-bench report).
 set -euo pipefail
 source "$(dirname "$0")/bench-lib.sh"
 source "$(dirname "$0")/llamacpp-lib.sh"
@@ -27,8 +27,6 @@ if [ ! -f "$F16" ]; then
 fi
 # The model name, and its family and model numbers: some VMs name only the vendor's line
 # ("AMD EPYC"), which does not tell one generation from the next.
-cpuinfo() { grep -m1 "^$1" /proc/cpuinfo | cut -d: -f2 | xargs; }
-CPU="$(cpuinfo 'model name') (family $(cpuinfo 'cpu family'), model $(cpuinfo 'model'))"
 for f in $FORMATS; do
   FILE="$MODELS/random-1b-$f.gguf"
   if [ ! -f "$FILE" ]; then
@@ -43,7 +41,6 @@ for f in $FORMATS; do
   PORT=$(free_port); URL="http://127.0.0.1:$PORT"
   start_server "$LOGS/ferrite-random-1b-$f.log" "$ENGINE" serve --model "$FILE" --served-model-name random-1b \
     --host 127.0.0.1 --port "$PORT" --max-model-len 2048 --no-enable-prefix-caching --max-num-seqs 16
-  TIERS="$(grep -ao 'kernel tiers: [a-z0-9, -]*' "$LOGS/ferrite-random-1b-$f.log" | head -1 || true)"
   runs --url "$URL" --label ferrite
   stop_server
   # llama-server 0.3.36 crashes (SIGSEGV) loading these models with its CPU repacking on a CPU
@@ -67,7 +64,7 @@ for f in $FORMATS; do
   {
     echo "# random 1.1B Llama-shaped model, $f"
     echo
-    echo "CPU: $CPU; Ferrite's ${TIERS:-kernel tiers: not logged}; $THREADS threads each; llama-server ${NOREPACK[*]:-with repacking}."
+    echo "$THREADS threads each; llama-server ${NOREPACK[*]:-with repacking}."
     if [ "$VEC_DOT" = 1 ]; then
       echo
       echo "llama.cpp-vec_dot: llama-server built with GGML_LLAMAFILE=OFF and run with GGML_CPU_TILED_MM=0, so it multiplies batches with its one-row vec_dot arithmetic (the one Ferrite reproduces bit for bit) instead of llamafile's sgemm (F16, BF16, Q8_0, Q4_0; 2 rows up) or its tiled K-quant kernel (8 rows up)."

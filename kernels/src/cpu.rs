@@ -76,18 +76,22 @@ pub fn model_name() -> String {
 
 /// [`model_name`] from the text of `/proc/cpuinfo` (its first processor's fields).
 fn model_name_in(cpuinfo: &str) -> String {
-    let field = |name: &str| {
-        cpuinfo
-            .lines()
-            .find(|l| l.split(':').next().map(str::trim) == Some(name))
-            .and_then(|l| l.split_once(':'))
-            .map(|(_, v)| v.trim().to_string())
-    };
+    let field = |name| cpuinfo_field(cpuinfo, name);
     let name = field("model name").unwrap_or_default();
     match (field("cpu family"), field("model")) {
         (Some(family), Some(model)) => format!("{name} (family {family}, model {model})"),
         _ => name,
     }
+}
+
+/// The value of the first `name : value` line of `/proc/cpuinfo` text whose name is exactly
+/// `name` (so `model` does not find `model name`), trimmed.
+pub(crate) fn cpuinfo_field(cpuinfo: &str, name: &str) -> Option<String> {
+    cpuinfo
+        .lines()
+        .filter_map(|l| l.split_once(':'))
+        .find(|(n, _)| n.trim() == name)
+        .map(|(_, v)| v.trim().to_string())
 }
 
 /// How many tiers, from `portable` up, the name `cap` allows (`avx2`: 2).

@@ -169,12 +169,7 @@ mod tests {
             tell!("no /proc/cpuinfo here: the vendor check was not run");
             return;
         };
-        let vendor = cpuinfo
-            .lines()
-            .find_map(|l| l.strip_prefix("vendor_id"))
-            .and_then(|rest| rest.split(':').nth(1))
-            .map(str::trim);
-        let Some(vendor) = vendor else {
+        let Some(vendor) = crate::cpu::cpuinfo_field(&cpuinfo, "vendor_id") else {
             tell!("/proc/cpuinfo names no vendor_id: the vendor check was not run");
             return;
         };

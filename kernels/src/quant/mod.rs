@@ -447,7 +447,7 @@ impl QuantMatrix {
                 let quantize = tile.map_or(plain, |t| t.quantize);
                 let kernels = PairKernels {
                     dot: kquant_dot(features, k),
-                    dot2: None,
+                    dot2: kquant_dot2(features, k),
                     tile: tile.map(|t| t.run),
                 };
                 self.matmul_pairs(x, m, quantize, kernels)
@@ -492,12 +492,13 @@ impl QuantMatrix {
     }
 
     /// The product of the formats run one (weight row, activation row) dot product at a
-    /// time (K-quants without a tile on this CPU, every 32-value format for one activation
-    /// row) or, where there is a `tile` for the format, four weight rows at a time against
+    /// time, or two weight rows at a time where the tier has a `dot2` (K-quants for one
+    /// activation row or without a tile on this CPU, every 32-value format for one activation
+    /// row), or, where there is a `tile` for the format, four weight rows at a time against
     /// every activation row: the activation rows quantized once by `quantize`, the weight rows
     /// split among the threads (each streamed once for all activation rows) or, for long
-    /// prefills, the activation rows. A tile gives each pair its dot product's bits, so
-    /// neither the split nor the tile changes a result.
+    /// prefills, the activation rows. A tile or a `dot2` gives each pair its dot product's
+    /// bits, so neither the split nor the kernel changes a result.
     fn matmul_pairs<A: Sync>(
         &self,
         x: &[f32],
@@ -1043,6 +1044,22 @@ fn kquant_dot(features: cpu::Features, format: KFormat) -> fn(&[u8], &kquant::Q8
     }
     let _ = features;
     kquant::dot(format)
+}
+
+/// The two-row K-quant dot product for `format` on the best tier `features` has, if it has
+/// one: AVX-512's, two rows in one register ([`kquant::rows2`]), else AVX2's, one row after
+/// the other (two streams of weights either way, which is what one activation row gains).
+fn kquant_dot2(features: cpu::Features, format: KFormat) -> Option<Dot2<kquant::Q8KRow>> {
+    #[cfg(target_arch = "x86_64")]
+    return features
+        .avx512()
+        .and_then(|cpu| kquant::rows2::dot2(cpu, format))
+        .or_else(|| features.avx2().map(|cpu| kquant::avx2::dot2(cpu, format)));
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        let _ = (features, format);
+        None
+    }
 }
 
 /// The dot product for `format` on the best tier `features` has; every tier computes the

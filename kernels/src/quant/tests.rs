@@ -595,6 +595,20 @@ fn k_quants_compute_what_ggml_computes_bit_for_bit() {
                 assert_eq!(v.to_bits(), row.dot.to_bits(), "{name} row {r}: AVX2 dot");
                 ran.push("avx2");
             }
+            #[cfg(target_arch = "x86_64")]
+            if let Some(dot2) = cpu::detect()
+                .avx512()
+                .and_then(|cpu| kquant::rows2::dot2(cpu, format))
+            {
+                let w = &row.weights[..];
+                let v = dot2([w, w], &a).map(f32::to_bits);
+                assert_eq!(
+                    v,
+                    [row.dot.to_bits(); 2],
+                    "{name} row {r}: AVX-512 two-row dot"
+                );
+                ran.push("avx512");
+            }
             #[cfg(target_arch = "aarch64")]
             {
                 if let Some(cpu) = cpu::detect().neon() {
@@ -1614,6 +1628,78 @@ fn k_quant_tiles_give_every_pair_its_dot_product_bit_for_bit() {
                 );
             }
         }
+    }
+}
+
+#[test]
+fn k_quant_two_row_dot_products_give_each_row_its_one_row_dot_product() {
+    let mut ran = Vec::new();
+    // Three super-blocks, and 37 rows: a task's two halves leave one row over.
+    let (rows, cols) = (37, 3 * kquant::QK_K);
+    for ((format, name), extreme) in ggml::K_FORMATS
+        .into_iter()
+        .flat_map(|f| [(f, false), (f, true)])
+    {
+        // Extreme: every value byte 0xFF against activations of -127 and 127, as in the
+        // tiles' test: the largest integer sums a lane holds.
+        let w = match extreme {
+            false => kquant_rows(format, rows, cols, 3),
+            true => kquant_rows_of(format, rows, cols, |_| 0xFF),
+        };
+        let x: Vec<f32> = (0..cols)
+            .map(|i| match extreme {
+                false => ((i * 37 % 101) as f32 - 50.0) * 0.013,
+                true if i % 3 == 0 => -1.0,
+                true => 1.0,
+            })
+            .collect();
+        let a = kquant::quantize_row_q8k(&x);
+        let row_bytes = cols / kquant::QK_K * format.block_bytes();
+        let row = |r: usize| &w[r * row_bytes..(r + 1) * row_bytes];
+        let want: Vec<u32> = (0..rows)
+            .map(|r| kquant::dot(format)(row(r), &a).to_bits())
+            .collect();
+        #[cfg_attr(not(target_arch = "x86_64"), allow(unused_mut))]
+        let mut dots: Vec<(&str, Dot2<kquant::Q8KRow>)> = Vec::new();
+        #[cfg(target_arch = "x86_64")]
+        {
+            let f = cpu::detect();
+            dots.extend(
+                f.avx2()
+                    .map(|cpu| ("avx2", kquant::avx2::dot2(cpu, format))),
+            );
+            match f.avx512().map(|cpu| kquant::rows2::dot2(cpu, format)) {
+                Some(Some(dot2)) => dots.push(("avx512", dot2)),
+                Some(None) => tell!("{name}: no AVX-512 two-row dot product (AVX2's runs)"),
+                None => {}
+            }
+        }
+        for (tier, dot2) in dots {
+            for (r0, r1) in [(0, 1), (5, 36), (36, 2), (7, 7)] {
+                let got = dot2([row(r0), row(r1)], &a).map(f32::to_bits);
+                assert_eq!(
+                    got,
+                    [want[r0], want[r1]],
+                    "{name} {tier}: rows {r0} and {r1} (extreme values: {extreme})"
+                );
+            }
+            ran.push(tier);
+        }
+        // The product of one activation row, whichever way this CPU pairs the rows.
+        let mat = QuantMatrix::from_gguf(WeightFormat::K(format), rows, cols, &w).expect("sizes");
+        let got: Vec<u32> = mat.matmul(&x).iter().map(|v| v.to_bits()).collect();
+        assert_eq!(
+            got, want,
+            "{name}: one activation row (extreme values: {extreme})"
+        );
+    }
+    if ran.is_empty() {
+        tell!(
+            "K-quant two-row dot products: none on this CPU's tiers ({})",
+            cpu::detect().tiers().join(", ")
+        );
+    } else {
+        say_checked("K-quant two-row dot products", &ran);
     }
 }
 

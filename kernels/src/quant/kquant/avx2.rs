@@ -9,6 +9,7 @@ use crate::cpu::Avx2;
 use crate::quant::avx2::scale_splat;
 use crate::quant::portable::hsum8;
 use crate::quant::sse2::prefetch_ahead;
+use crate::quant::Dot2;
 
 /// The dot product of a weight row of `format` with an activation row.
 pub(crate) fn dot(cpu: Avx2, format: KFormat) -> fn(&[u8], &Q8KRow) -> f32 {
@@ -22,7 +23,20 @@ pub(crate) fn dot(cpu: Avx2, format: KFormat) -> fn(&[u8], &Q8KRow) -> f32 {
     }
 }
 
-// Handed out only by `dot`, which takes the AVX2 token: each runs only where AVX2 and FMA
+/// Two weight rows of `format` against one activation row, one after the other: each row
+/// its one-row dot product, the two rows read as two streams ([`super::rows2`] says why).
+pub(crate) fn dot2(cpu: Avx2, format: KFormat) -> Dot2<Q8KRow> {
+    let _ = cpu;
+    match format {
+        KFormat::Q2K => |w, a| w.map(|w| q2k(w, a)),
+        KFormat::Q3K => |w, a| w.map(|w| q3k(w, a)),
+        KFormat::Q4K => |w, a| w.map(|w| q4k(w, a)),
+        KFormat::Q5K => |w, a| w.map(|w| q5k(w, a)),
+        KFormat::Q6K => |w, a| w.map(|w| q6k(w, a)),
+    }
+}
+
+// Handed out only by `dot` and `dot2`, which take the AVX2 token: each runs only where AVX2 and FMA
 // were detected.
 
 fn q4k(w: &[u8], a: &Q8KRow) -> f32 {
@@ -78,7 +92,7 @@ pub(super) fn bsums(a: &Q8KRow, i: usize) -> __m256i {
 /// The first sixteen i16 of `s` (which must hold them).
 #[inline]
 #[target_feature(enable = "avx2")]
-fn load_i16x16(s: &[i16]) -> __m256i {
+pub(super) fn load_i16x16(s: &[i16]) -> __m256i {
     assert!(s.len() >= 16);
     // SAFETY: the assertion keeps the 32 bytes read inside `s`; the load is unaligned.
     unsafe { _mm256_loadu_si256(s.as_ptr().cast()) }
@@ -87,31 +101,31 @@ fn load_i16x16(s: &[i16]) -> __m256i {
 /// The first eight i16 of `s` (which must hold them).
 #[inline]
 #[target_feature(enable = "avx2")]
-fn load_i16x8(s: &[i16]) -> __m128i {
+pub(super) fn load_i16x8(s: &[i16]) -> __m128i {
     assert!(s.len() >= 8);
     // SAFETY: the assertion keeps the 16 bytes read inside `s`; the load is unaligned.
     unsafe { _mm_loadu_si128(s.as_ptr().cast()) }
 }
 
 /// One super-block of a weight row beside the activation row's.
-struct SuperBlock<'a> {
+pub(super) struct SuperBlock<'a> {
     /// The weight super-block's bytes.
-    w: &'a [u8],
+    pub(super) w: &'a [u8],
     /// Its 256 quantized activations.
-    q: &'a [i8],
+    pub(super) q: &'a [i8],
     /// Their scale.
-    d: f32,
+    pub(super) d: f32,
     /// Their sixteen block sums.
-    bsums: &'a [i16],
+    pub(super) bsums: &'a [i16],
     /// Their eight 32-value sums.
-    sums32: &'a [i16],
+    pub(super) sums32: &'a [i16],
 }
 
 /// The super-blocks of weight row `w` (in `format`) beside those of `a`, in order, each
 /// handed out once the weight bytes a few KiB past it have been asked for
 /// ([`prefetch_ahead`]). Every slice comes with its fixed length, so the kernels' loads at
 /// constant offsets within it are checked at compile time rather than once per load.
-fn super_blocks<'a>(
+pub(super) fn super_blocks<'a>(
     w: &'a [u8],
     format: KFormat,
     a: &'a Q8KRow,
@@ -168,7 +182,7 @@ macro_rules! shuffle_table {
 
 /// Controls repeating the i16 at byte `2k` of each 128-bit half (ggml's
 /// `get_scale_shuffle_k4` rows), `k` of 0..8.
-const BROADCAST_I16: [[i8; 32]; 8] = shuffle_table!(8, 32, |k, b| 2 * k + b % 2);
+pub(super) const BROADCAST_I16: [[i8; 32]; 8] = shuffle_table!(8, 32, |k, b| 2 * k + b % 2);
 
 /// Controls repeating i16 lane `2k` in the low 128 bits and lane `2k + 1` in the high 128
 /// bits (ggml's `get_scale_shuffle_q3k` rows), `k` of 0..4.
@@ -176,7 +190,7 @@ const SPLIT_I16: [[i8; 32]; 4] = shuffle_table!(4, 32, |k, b| 4 * k + 2 * (b / 1
 
 /// Controls giving byte `2k` eight times then byte `2k + 1` eight times (ggml's
 /// `get_scale_shuffle` rows), `k` of 0..8.
-const SPLIT_I8: [[i8; 16]; 8] = shuffle_table!(8, 16, |k, b| 2 * k + b / 8);
+pub(super) const SPLIT_I8: [[i8; 16]; 8] = shuffle_table!(8, 16, |k, b| 2 * k + b / 8);
 
 /// `v`'s bytes shuffled within each 128-bit half by the 32-byte control `c`.
 #[inline]

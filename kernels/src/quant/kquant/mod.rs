@@ -20,6 +20,9 @@ pub(super) mod neon;
 mod q8k;
 #[cfg(target_arch = "x86_64")]
 #[allow(unsafe_code)]
+pub(super) mod rows2;
+#[cfg(target_arch = "x86_64")]
+#[allow(unsafe_code)]
 pub(super) mod tile;
 #[cfg(target_arch = "x86_64")]
 #[allow(unsafe_code)]

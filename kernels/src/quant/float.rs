@@ -974,11 +974,24 @@ impl QuantMatrix {
             (None, None) => kernel.dot(format, w, &acts.x[i * k..(i + 1) * k]),
         };
         if m == 1 {
-            // One activation row: each weight row read once, as stored, one after the next —
-            // a single sequential stream, which the hardware prefetcher follows better
-            // without whole rows prefetched (see `QuantMatrix::prefetch_rows`); the dot
-            // products on x86 ask for their own bytes a few KiB ahead as they go.
-            for r in range.clone() {
+            // One activation row: each weight row read once, as stored, without whole rows
+            // prefetched (see `QuantMatrix::prefetch_rows`); the dot products on x86 ask for
+            // their own bytes a few KiB ahead as they go. On x86 a row from each half of the
+            // range in turn, two sequential streams, as the quantized formats' one-row
+            // products read them: random 1.1B F16 decode, 2 threads, a 2-core Xeon (family 6,
+            // model 207), ten alternating pairs: 10.2–13.0 against 9.5–10.4 tok/s (BF16
+            // even). arm64, whose speed nothing here measures, reads one stream.
+            let half = if cfg!(target_arch = "x86_64") {
+                range.len() / 2
+            } else {
+                0
+            };
+            let (first, second) = (range.start, range.start + half);
+            for r in first..second {
+                put(0, r, dot(self.weight_row(r), 0));
+                put(0, r + half, dot(self.weight_row(r + half), 0));
+            }
+            for r in second + half..range.end {
                 put(0, r, dot(self.weight_row(r), 0));
             }
             return;

@@ -748,6 +748,21 @@ fn portable_batched_dot(format: Batched) -> Dot {
     }
 }
 
+/// Asserts that `dot2` gives pairs of the 37 weight rows `row(r)` against `a` the one-row
+/// results `want` (as bits): neighbours, rows far apart in either order, and a row with itself.
+fn assert_two_rows<'w, A>(
+    what: &str,
+    dot2: Dot2<A>,
+    row: &dyn Fn(usize) -> &'w [u8],
+    a: &A,
+    want: &[u32],
+) {
+    for (r0, r1) in [(0, 1), (5, 36), (36, 2), (7, 7)] {
+        let got = dot2([row(r0), row(r1)], a).map(f32::to_bits);
+        assert_eq!(got, [want[r0], want[r1]], "{what}: rows {r0} and {r1}");
+    }
+}
+
 #[test]
 fn two_rows_at_once_give_each_row_its_one_row_dot_product() {
     let formats = [
@@ -789,14 +804,7 @@ fn two_rows_at_once_give_each_row_its_one_row_dot_product() {
         }
         let row = |r: usize| &w[r * row_bytes..(r + 1) * row_bytes];
         for (tier, dot2) in dots {
-            for (r0, r1) in [(0, 1), (5, 36), (36, 2)] {
-                let got = dot2([row(r0), row(r1)], &a).map(f32::to_bits);
-                assert_eq!(
-                    got,
-                    [want[r0], want[r1]],
-                    "{format:?} {tier}: rows {r0} and {r1}"
-                );
-            }
+            assert_two_rows(&format!("{format:?} {tier}"), dot2, &row, &a, &want);
             ran.push(tier);
         }
         // The product of one activation row, whichever way this CPU pairs the rows.
@@ -1676,14 +1684,8 @@ fn k_quant_two_row_dot_products_give_each_row_its_one_row_dot_product() {
             }
         }
         for (tier, dot2) in dots {
-            for (r0, r1) in [(0, 1), (5, 36), (36, 2), (7, 7)] {
-                let got = dot2([row(r0), row(r1)], &a).map(f32::to_bits);
-                assert_eq!(
-                    got,
-                    [want[r0], want[r1]],
-                    "{name} {tier}: rows {r0} and {r1} (extreme values: {extreme})"
-                );
-            }
+            let what = format!("{name} {tier} (extreme values: {extreme})");
+            assert_two_rows(&what, dot2, &row, &a, &want);
             ran.push(tier);
         }
         // The product of one activation row, whichever way this CPU pairs the rows.

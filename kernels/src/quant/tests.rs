@@ -1138,31 +1138,37 @@ fn assert_bf16_tile(pairs: float::PairTiles, rows: &[(Vec<u8>, Vec<f32>)], raw_x
 
 #[test]
 fn float_matrices_give_every_row_its_single_row_result_in_any_batch() {
-    // An odd number of rows: one activation row's two halves of them leave one over.
-    let (rows, cols) = (37, 200);
-    for format in [FloatFormat::F32, FloatFormat::F16, FloatFormat::BF16] {
-        let (bytes, _) = float_row(format, rows * cols, 5);
-        let mat =
-            QuantMatrix::from_gguf(WeightFormat::Float(format), rows, cols, &bytes).expect("sizes");
-        // 16: one call of the eight-row F16 and BF16 tiles (four threes and two twos, not
-        // fifteen and a single row).
-        let sizes = [
-            1,
-            2,
-            5,
-            16,
-            WEIGHT_PARALLEL_MAX_ROWS,
-            WEIGHT_PARALLEL_MAX_ROWS + 1,
-            70,
-        ];
-        let row_bytes = cols * format.bytes();
-        assert_batches(&mat, &sizes, &format!("{format:?}"), |x| {
-            let acts = format.activations(x);
-            bytes
-                .chunks_exact(row_bytes)
-                .map(|w| float::dot_portable(format, w, &acts))
-                .collect()
-        });
+    // 16: one call of the eight-row F16 and BF16 tiles (four threes and two twos, not fifteen
+    // and a single row).
+    let sizes = [
+        1,
+        2,
+        5,
+        16,
+        WEIGHT_PARALLEL_MAX_ROWS,
+        WEIGHT_PARALLEL_MAX_ROWS + 1,
+        70,
+    ];
+    // 37 rows: an odd number, so one activation row's two halves of them leave one over.
+    // 8200 columns (and a tail past the last 64): a long product's task then takes no more
+    // activation rows than fill 1 MiB, 31 of f32, where it would take 64 (or, on two
+    // threads, 35), so 70 rows go in tasks of 31, 31 and 8.
+    let shapes = [(37, 200, &sizes[..]), (9, 8200, &[1, 33, 70][..])];
+    for (rows, cols, sizes) in shapes {
+        for format in [FloatFormat::F32, FloatFormat::F16, FloatFormat::BF16] {
+            let (bytes, _) = float_row(format, rows * cols, 5);
+            let mat = QuantMatrix::from_gguf(WeightFormat::Float(format), rows, cols, &bytes)
+                .expect("sizes");
+            let row_bytes = cols * format.bytes();
+            let what = format!("{format:?}, {rows} x {cols}");
+            assert_batches(&mat, sizes, &what, |x| {
+                let acts = format.activations(x);
+                bytes
+                    .chunks_exact(row_bytes)
+                    .map(|w| float::dot_portable(format, w, &acts))
+                    .collect()
+            });
+        }
     }
 }
 

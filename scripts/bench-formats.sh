@@ -11,12 +11,15 @@
 set -euo pipefail
 source "$(dirname "$0")/bench-lib.sh"
 source "$(dirname "$0")/llamacpp-lib.sh"
-need_llamacpp llama-server llama-quantize
-# VEC_DOT=0 skips the second llama.cpp (on its vec_dot arithmetic) and its build.
-VEC_DOT="${VEC_DOT:-1}"
 # ROUNDS=N runs the servers in turn N times and keeps each one's last round: a VM whose speed
 # drifts by phases then gives every server a turn after each phase change, not one phase each.
 ROUNDS="${ROUNDS:-1}"
+if ! [[ "$ROUNDS" =~ ^[1-9][0-9]*$ ]]; then
+  echo "ROUNDS=$ROUNDS: the number of rounds must be a whole number, 1 or more" >&2; exit 2
+fi
+need_llamacpp llama-server llama-quantize
+# VEC_DOT=0 skips the second llama.cpp (on its vec_dot arithmetic) and its build.
+VEC_DOT="${VEC_DOT:-1}"
 if [ "$VEC_DOT" = 1 ]; then need_llamacpp_vec_dot llama-server; fi
 FORMATS="${FORMATS:-Q4_K_M Q8_0 F16 BF16}"
 MODELS="${XDG_CACHE_HOME:-$HOME/.cache}/ferrite/models"; mkdir -p "$MODELS"

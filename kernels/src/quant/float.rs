@@ -39,7 +39,7 @@ pub(crate) const TILE_ROWS: usize = 16;
 
 /// Most bytes of activation rows (as the tiles read them) a task of a long float product
 /// takes: each group of weight rows meets every one of them, so they stay in the core's L2
-/// cache (2 MiB on the Xeons measured). At 64 rows of 8192 columns of f32 (2 MiB, a
+/// cache (2 MiB on the Xeon it was measured on). At 64 rows of 8192 columns of f32 (2 MiB, a
 /// down projection's) they did not. F16 tile alone, one thread, eight weight rows at a time
 /// against 8192-column activation rows, a 2-core Xeon (family 6, model 207): 64 rows a
 /// task 28–30 GMAC/s, 32 rows 43; 2048-column rows, 64 or 128, 38–44.

@@ -1554,7 +1554,7 @@ fn k_quant_tiles_give_every_pair_its_dot_product_bit_for_bit() {
         tiers.push(("avx512-vnni", |f| {
             cpu::detect()
                 .avx512_vnni()
-                .and_then(|cpu| kquant::vnni::tile(cpu, f))
+                .map(|cpu| kquant::vnni::tile(cpu, f))
         }));
         tiers.push(("avx512", |f| {
             cpu::detect()
@@ -1596,13 +1596,13 @@ fn k_quant_tiles_give_every_pair_its_dot_product_bit_for_bit() {
     {
         // Extreme: every value byte 0xFF (each format's largest values and scales) against
         // activations of -127 and 127 (Q8_K's range), the largest integer sums a lane holds.
-        let rows: Vec<Vec<u8>> = (0..4)
-            .map(|r| match extreme {
-                false => kquant_rows(format, 1, cols, r),
-                true => kquant_rows_of(format, 1, cols, |_| 0xFF),
-            })
-            .collect();
-        let quad = [&rows[0][..], &rows[1], &rows[2], &rows[3]];
+        // The four rows written at once, so each has its own f16 scales too.
+        let w = match extreme {
+            false => kquant_rows(format, 4, cols, 0),
+            true => kquant_rows_of(format, 4, cols, |_| 0xFF),
+        };
+        let rows: Vec<&[u8]> = w.chunks_exact(w.len() / 4).collect();
+        let quad = [rows[0], rows[1], rows[2], rows[3]];
         // 37 activation rows: more than one group of the tile's accumulators.
         let acts: Vec<kquant::Q8KRow> = (0..37)
             .map(|a| {

@@ -186,7 +186,8 @@ pub(super) const BROADCAST_I16: [[i8; 32]; 8] = shuffle_table!(8, 32, |k, b| 2 *
 
 /// Controls repeating i16 lane `2k` in the low 128 bits and lane `2k + 1` in the high 128
 /// bits (ggml's `get_scale_shuffle_q3k` rows), `k` of 0..4.
-const SPLIT_I16: [[i8; 32]; 4] = shuffle_table!(4, 32, |k, b| 4 * k + 2 * (b / 16) + b % 2);
+pub(super) const SPLIT_I16: [[i8; 32]; 4] =
+    shuffle_table!(4, 32, |k, b| 4 * k + 2 * (b / 16) + b % 2);
 
 /// Controls giving byte `2k` eight times then byte `2k + 1` eight times (ggml's
 /// `get_scale_shuffle` rows), `k` of 0..8.
@@ -348,6 +349,23 @@ pub(super) fn q2k_values(b: &[u8], j: usize) -> [__m256i; 4] {
         _mm256_and_si256(_mm256_srli_epi16::<4>(bits), m3),
         _mm256_and_si256(_mm256_srli_epi16::<6>(bits), m3),
     ]
+}
+
+/// Values of chunks `4j..4j + 4` of a Q3_K super-block (`hbits`: its 32 high-bit bytes), as
+/// unsigned bytes 4 above ggml's signed values: the low two bits, and 4 where the high bit is
+/// set (ggml takes 4 off where it is clear).
+#[inline]
+#[target_feature(enable = "avx2")]
+pub(super) fn q3k_values(b: &[u8], hbits: __m256i, j: usize) -> [__m256i; 4] {
+    let (m3, mone) = (_mm256_set1_epi8(3), _mm256_set1_epi8(1));
+    let bits = load32(b, 32 + 32 * j);
+    std::array::from_fn(|k| {
+        let shift = _mm_cvtsi32_si128(2 * k as i32);
+        let bit = _mm_cvtsi32_si128((4 * j + k) as i32);
+        let low = _mm256_and_si256(_mm256_srl_epi16(bits, shift), m3);
+        let set = _mm256_and_si256(_mm256_srl_epi16(hbits, bit), mone);
+        _mm256_or_si256(low, _mm256_slli_epi16::<2>(set))
+    })
 }
 
 #[target_feature(enable = "avx2,fma,f16c")]

@@ -10,14 +10,14 @@
 //! variant multiplies two 32-value chunks per instruction and adds the halves before the
 //! float step. Q3_K's signed values are met as `value + 4`, and `4 * y` taken off per byte
 //! pair: the same i16 ggml forms from its two products. Where the CPU has AVX-512 VNNI,
-//! Q4_K, Q5_K and Q6_K take [`super::vnni`]'s tile instead, which shares this one's float
-//! step ([`quad_float_step`]) and reduction ([`finish_quads`]).
+//! every format takes [`super::vnni`]'s tile instead, which shares this one's float step
+//! ([`quad_float_step`]) and reduction ([`finish_quads`]).
 
 use std::arch::x86_64::*;
 
 use super::avx2::{
-    broadcast_i16, bsums, hsum, k4_scales_mins, k4_values, load32, load_q8, q2k_values, q6k_values,
-    scale_halves, split_i16, split_i8, sums32,
+    broadcast_i16, bsums, hsum, k4_scales_mins, k4_values, load32, load_q8, q2k_values, q3k_values,
+    q6k_values, scale_halves, split_i16, split_i8, sums32,
 };
 use super::{f16_at, format, scales_q3k, KFormat, KTile, Q8KRow, Q2, Q3, Q4, Q5, Q6, QK_K};
 use crate::cpu::Features;
@@ -35,7 +35,7 @@ pub(crate) fn tile(features: Features, format: KFormat) -> Option<KTile> {
     let avx2 = features.avx2()?;
     if let Some(run) = features
         .avx512_vnni()
-        .and_then(|vnni| super::vnni::tile(vnni, format))
+        .map(|vnni| super::vnni::tile(vnni, format))
     {
         let quantize = super::quantize_row_q8k_paired;
         return Some(KTile { run, quantize });
@@ -49,8 +49,8 @@ pub(crate) fn tile(features: Features, format: KFormat) -> Option<KTile> {
     Some(KTile { run, quantize })
 }
 
-/// The AVX-512 tile without VNNI, the paired tile's fallback for Q4_K, Q5_K and Q6_K and the
-/// tile for Q2_K and Q3_K (the kernel tests check it on AVX-512 VNNI CPUs too).
+/// The AVX-512 tile without VNNI, the paired tile's fallback (the kernel tests check it on
+/// AVX-512 VNNI CPUs too).
 pub(crate) fn tile_avx512(cpu: crate::cpu::Avx512, format: KFormat) -> Tile {
     let _ = cpu;
     match format {
@@ -315,16 +315,10 @@ fn unpack<const F: u8>(
             let sc = scales_q3k(&b[96..108]);
             // SAFETY: `sc` is sixteen i16 (32 bytes); the load is unaligned.
             let halves = scale_halves(unsafe { _mm256_loadu_si256(sc.as_ptr().cast()) });
-            let (m3, mone) = (_mm256_set1_epi8(3), _mm256_set1_epi8(1));
             let hbits = load32(b, 0);
             for (j, scales) in halves.iter().enumerate() {
-                let bits = load32(b, 32 + 32 * j);
-                for k in 0..4 {
-                    let shift = _mm_cvtsi32_si128(2 * k as i32);
-                    let bit = _mm_cvtsi32_si128((4 * j + k) as i32);
-                    let low = _mm256_and_si256(_mm256_srl_epi16(bits, shift), m3);
-                    let set = _mm256_and_si256(_mm256_srl_epi16(hbits, bit), mone);
-                    q[at(4 * j + k)] = _mm256_or_si256(low, _mm256_slli_epi16::<2>(set));
+                for (k, v) in q3k_values(b, hbits, j).into_iter().enumerate() {
+                    q[at(4 * j + k)] = v;
                     s[at(4 * j + k)] = split_i16(*scales, k as i32);
                 }
             }

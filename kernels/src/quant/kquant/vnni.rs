@@ -1,14 +1,17 @@
-//! The AVX-512 VNNI K-quant tile for Q4_K, Q5_K and Q6_K: four weight rows against many
-//! activation rows, each pair's result ggml's dot product bit for bit, in fewer multiplies
-//! than [`super::tile`]'s AVX-512 tile.
+//! The AVX-512 VNNI K-quant tile: four weight rows against many activation rows, each
+//! pair's result ggml's dot product bit for bit, in fewer multiplies than
+//! [`super::tile`]'s AVX-512 tile.
 //!
 //! ggml's lane `l` of a pair (weight row, activation row) sums, over a super-block's eight
 //! 32-value chunks `c`, the chunk's scale times `D(c, l)`, the four products of bytes
-//! `4l..4l + 4`. One `vpdpbusd` gives the `D`s of two chunks of one weight row (16 lanes);
-//! they fit in i16 (at most 4 · 63 · 127), so `vpackssdw` packs two rows' into i16 pairs
-//! `(D(c, l), D(c + 1, l))`, and one `vpdpwssd` multiplies each pair by its two scales and
-//! adds both to the lane: three multiplies per two chunks of two rows, where `maddubs` and
-//! `madd` take four. The integers are exact, so each lane holds ggml's sum.
+//! `4l..4l + 4` (Q6_K, Q3_K and Q2_K scale each chunk's lanes 0–3 and 4–7 apart). One
+//! `vpdpbusd` gives the `D`s of two chunks of one weight row (16 lanes); they fit in i16 (at
+//! most 4 · 63 · 127), so `vpackssdw` packs two rows' into i16 pairs `(D(c, l), D(c + 1,
+//! l))`, and one `vpdpwssd` multiplies each pair by its two scales and adds both to the
+//! lane: three multiplies per two chunks of two rows, where `maddubs` and `madd` take four.
+//! Q3_K's values are met as `value + 4`, and each `vpdpbusd` starts from minus four times
+//! the activation bytes' sums, so its `D`s are ggml's. The integers are exact, so each lane
+//! holds ggml's sum.
 //!
 //! For the pairs to land in one i32 lane, the two chunks' 4-byte groups alternate: weight and
 //! activation bytes alike are laid out in [`super::pair_order`] (the activation rows once
@@ -26,9 +29,9 @@
 
 use std::arch::x86_64::*;
 
-use super::avx2::{k4_scales_mins, k4_values, load32, q6k_values};
+use super::avx2::{k4_scales_mins, k4_values, load32, q2k_values, q3k_values, q6k_values};
 use super::tile::{finish_quads, no_scalars, quad_float_step, Floats, QuadAcc, Scalars, GROUP};
-use super::{f16_at, format, KFormat, Q8KRow, Q4, Q5, Q6, QK_K};
+use super::{f16_at, format, scales_q3k, KFormat, Q8KRow, Q2, Q3, Q4, Q5, Q6, QK_K};
 
 /// Where weight row `r`'s ggml lane `l` lies in the tile's accumulators (two vectors of
 /// sixteen lanes, rows 0 and 1 in the first).
@@ -38,8 +41,8 @@ fn lane_of(r: usize, l: usize) -> usize {
 
 /// Word indices that gather, from sixteen i16 scales of row `2h` then sixteen of row
 /// `2h + 1`, lane `4g + j`'s pair of scales for chunks `2p` and `2p + 1`: Q4_K and Q5_K have
-/// one scale per chunk (the first eight words), Q6_K one per sixteen values, so lanes 4–7
-/// of a chunk take its second.
+/// one scale per chunk (the first eight words), Q6_K, Q3_K and Q2_K one per sixteen values,
+/// so lanes 4–7 of a chunk take its second.
 const fn scale_index(per_sixteen: bool) -> [[u16; 32]; 4] {
     let mut idx = [[0u16; 32]; 4];
     let mut p = 0;
@@ -69,8 +72,8 @@ const fn scale_index(per_sixteen: bool) -> [[u16; 32]; 4] {
 const SCALES_PER_CHUNK: [[u16; 32]; 4] = scale_index(false);
 const SCALES_PER_SIXTEEN: [[u16; 32]; 4] = scale_index(true);
 
-/// Word indices that gather, from row `2h`'s sixteen Q6_K scales then row `2h + 1`'s, lane
-/// `4g + j`'s two (those of its sixteen-value blocks `2l` and `2l + 1`).
+/// Word indices that gather, from row `2h`'s sixteen Q6_K scales (or Q2_K minimums) then row
+/// `2h + 1`'s, lane `4g + j`'s two (those of its sixteen-value blocks `2l` and `2l + 1`).
 const fn block_scale_index() -> [u16; 32] {
     let mut idx = [0u16; 32];
     let mut lane = 0;
@@ -146,6 +149,30 @@ fn unpack<const F: u8>(b: &[u8], r: usize, pairs: &mut Pairs) {
             pairs.w[h][4 * j + 2 + side] = interleave(c, d);
         }
         k.d = f16_at(b, 208);
+    } else if F == Q2 || F == Q3 {
+        if F == Q2 {
+            // SAFETY: the super-block's sixteen scale bytes are its first.
+            let ms = unsafe { _mm_loadu_si128(b[0..16].as_ptr().cast()) };
+            let m4 = _mm_set1_epi8(0xF);
+            pairs.scales[r] = _mm256_cvtepi8_epi16(_mm_and_si128(ms, m4));
+            k.extra = _mm256_cvtepi8_epi16(_mm_and_si128(_mm_srli_epi16::<4>(ms), m4));
+            k.d = f16_at(b, 80);
+            k.dmin = f16_at(b, 82);
+        } else {
+            let sc = scales_q3k(&b[96..108]);
+            // SAFETY: `sc` is sixteen i16 (32 bytes); the load is unaligned.
+            pairs.scales[r] = unsafe { _mm256_loadu_si256(sc.as_ptr().cast()) };
+            k.d = f16_at(b, 108);
+        }
+        for j in 0..QK_K / 128 {
+            let [a, b1, c, d] = if F == Q2 {
+                q2k_values(b, j)
+            } else {
+                q3k_values(b, load32(b, 0), j)
+            };
+            pairs.w[h][4 * j + side] = interleave(a, b1);
+            pairs.w[h][4 * j + 2 + side] = interleave(c, d);
+        }
     } else {
         let (scales, mins) = k4_scales_mins(b);
         k.extra = _mm256_zextsi128_si256(mins);
@@ -160,14 +187,22 @@ fn unpack<const F: u8>(b: &[u8], r: usize, pairs: &mut Pairs) {
     }
 }
 
+/// `a` in the lanes of row `2h` and `b` in those of row `2h + 1` (lane `4g + j` is row
+/// `2h + j / 2`'s).
+#[inline]
+#[target_feature(enable = "avx512f")]
+fn per_lane(a: f32, b: f32) -> __m512 {
+    _mm512_set_ps(b, b, a, a, b, b, a, a, b, b, a, a, b, b, a, a)
+}
+
 /// Fills `pairs`' scale pairs and float constants from its four rows' scales and scalars.
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx2")]
 fn constants<const F: u8>(pairs: &mut Pairs) {
-    let table = if F == Q6 {
-        &SCALES_PER_SIXTEEN
-    } else {
+    let table = if F == Q4 || F == Q5 {
         &SCALES_PER_CHUNK
+    } else {
+        &SCALES_PER_SIXTEEN
     };
     for h in 0..2 {
         let both = _mm512_inserti64x4::<1>(
@@ -180,9 +215,14 @@ fn constants<const F: u8>(pairs: &mut Pairs) {
         if F == Q6 {
             pairs.f.extra2[h] = _mm512_permutexvar_epi16(words(&BLOCK_SCALES), both);
         }
-        // Lane 4g + j is row 2h + j / 2's.
-        let (a, b) = (pairs.k[2 * h].d, pairs.k[2 * h + 1].d);
-        pairs.f.d[h] = _mm512_set_ps(b, b, a, a, b, b, a, a, b, b, a, a, b, b, a, a);
+        let rows = [&pairs.k[2 * h], &pairs.k[2 * h + 1]];
+        if F == Q2 {
+            let mins =
+                _mm512_inserti64x4::<1>(_mm512_castsi256_si512(rows[0].extra), rows[1].extra);
+            pairs.f.extra2[h] = _mm512_permutexvar_epi16(words(&BLOCK_SCALES), mins);
+            pairs.f.dmin[h] = per_lane(rows[0].dmin, rows[1].dmin);
+        }
+        pairs.f.d[h] = per_lane(rows[0].d, rows[1].d);
     }
     if F == Q4 || F == Q5 {
         pairs.f.set_mins4(&pairs.k);
@@ -198,7 +238,7 @@ fn constants<const F: u8>(pairs: &mut Pairs) {
 /// 236–257 -> 259–277 tok/s, a 16-request decode step's weight products 72–73 -> 60–64 ms.
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2")]
-fn quad_sumi(
+fn quad_sumi<const F: u8>(
     pairs: &Pairs,
     acts: &[Q8KRow],
     i: usize,
@@ -206,16 +246,22 @@ fn quad_sumi(
     then: impl Fn(&Q8KRow, &mut QuadAcc, [__m512i; 2]),
 ) {
     let w = pairs.w;
-    let zero = _mm512_setzero_si512();
+    let (zero, four) = (_mm512_setzero_si512(), _mm512_set1_epi8(4));
     for (act, state) in acts.iter().zip(states) {
         let y = &act.paired[i * QK_K..(i + 1) * QK_K];
         let mut acc = [zero; 2];
         for p in 0..4 {
             // SAFETY: `y` holds 256 bytes, so 64 from `64 p`; the load is unaligned.
             let y = unsafe { _mm512_loadu_si512(y[64 * p..].as_ptr().cast()) };
+            // Q3_K's values are 4 above ggml's: each lane starts 4 times its bytes' sum down.
+            let start = if F == Q3 {
+                _mm512_sub_epi32(zero, _mm512_dpbusd_epi32(zero, four, y))
+            } else {
+                zero
+            };
             for h in 0..2 {
-                let r0 = _mm512_dpbusd_epi32(zero, w[h][2 * p], y);
-                let r1 = _mm512_dpbusd_epi32(zero, w[h][2 * p + 1], y);
+                let r0 = _mm512_dpbusd_epi32(start, w[h][2 * p], y);
+                let r1 = _mm512_dpbusd_epi32(start, w[h][2 * p + 1], y);
                 acc[h] = _mm512_dpwssd_epi32(acc[h], pairs.s[h][p], _mm512_packs_epi32(r0, r1));
             }
         }
@@ -248,7 +294,7 @@ fn tile_body<const F: u8>(rows: [&[u8]; 4], acts: &[Q8KRow], out: &mut [[f32; 4]
                 unpack::<F>(&w[i * bytes..(i + 1) * bytes], r, &mut pairs);
             }
             constants::<F>(&mut pairs);
-            quad_sumi(&pairs, group, i, &mut states, |act, row, lanes| {
+            quad_sumi::<F>(&pairs, group, i, &mut states, |act, row, lanes| {
                 if i == 0 {
                     // The group's first super-block: nothing accumulated yet.
                     *row = QuadAcc::zero();
@@ -261,15 +307,16 @@ fn tile_body<const F: u8>(rows: [&[u8]; 4], acts: &[Q8KRow], out: &mut [[f32; 4]
     }
 }
 
-/// The tile for Q4_K, Q5_K and Q6_K (`F`), on a CPU with AVX-512 VNNI (`cpu`); its
-/// activation rows must carry [`Q8KRow::paired`].
-pub(crate) fn tile(cpu: crate::cpu::Avx512Vnni, format: KFormat) -> Option<super::tile::Tile> {
+/// The tile for `format` on a CPU with AVX-512 VNNI (`cpu`); its activation rows must carry
+/// [`Q8KRow::paired`].
+pub(crate) fn tile(cpu: crate::cpu::Avx512Vnni, format: KFormat) -> super::tile::Tile {
     let _ = cpu;
     match format {
-        KFormat::Q4K => Some(run::<Q4>),
-        KFormat::Q5K => Some(run::<Q5>),
-        KFormat::Q6K => Some(run::<Q6>),
-        KFormat::Q2K | KFormat::Q3K => None,
+        KFormat::Q2K => run::<Q2>,
+        KFormat::Q3K => run::<Q3>,
+        KFormat::Q4K => run::<Q4>,
+        KFormat::Q5K => run::<Q5>,
+        KFormat::Q6K => run::<Q6>,
     }
 }
 

@@ -337,6 +337,28 @@ pub(super) fn q6k_values(b: &[u8], j: usize) -> [__m256i; 4] {
     ]
 }
 
+/// Q2_K's header: the sixteen scales and the sixteen minimums, each as i16 (the low and high
+/// nibbles of the super-block's first sixteen bytes).
+#[inline]
+#[target_feature(enable = "avx2")]
+pub(super) fn q2k_scales_mins(b: &[u8]) -> (__m256i, __m256i) {
+    let m4 = _mm_set1_epi8(0xF);
+    // SAFETY: the super-block's sixteen scale bytes are its first; the load is unaligned.
+    let ms = unsafe { _mm_loadu_si128(b[0..16].as_ptr().cast()) };
+    let scales = _mm256_cvtepi8_epi16(_mm_and_si128(ms, m4));
+    let mins = _mm256_cvtepi8_epi16(_mm_and_si128(_mm_srli_epi16::<4>(ms), m4));
+    (scales, mins)
+}
+
+/// Q3_K's sixteen signed scales as i16 ([`super::scales_q3k`] of bytes 96..108).
+#[inline]
+#[target_feature(enable = "avx2")]
+pub(super) fn q3k_scales(b: &[u8]) -> __m256i {
+    let sc = scales_q3k(&b[96..108]);
+    // SAFETY: `sc` is sixteen i16 (32 bytes); the load is unaligned.
+    unsafe { _mm256_loadu_si256(sc.as_ptr().cast()) }
+}
+
 /// Values of chunks `4j..4j + 4` of a Q2_K super-block.
 #[inline]
 #[target_feature(enable = "avx2")]
@@ -462,20 +484,15 @@ fn q6k_avx2(w: &[u8], a: &Q8KRow) -> f32 {
 
 #[target_feature(enable = "avx2,fma,f16c")]
 fn q2k_avx2(w: &[u8], a: &Q8KRow) -> f32 {
-    let m4 = _mm_set1_epi8(0xF);
     let mut acc = _mm256_setzero_ps();
     for sb in super_blocks(w, KFormat::Q2K, a) {
         let b = sb.w;
         let d = scale_splat(b, 80, sb.d);
         let dmin = scale_splat(b, 82, -sb.d);
-        // SAFETY: the super-block's sixteen scale bytes are its first.
-        let mins_and_scales = unsafe { _mm_loadu_si128(b[0..16].as_ptr().cast()) };
-        let scales8 = _mm_and_si128(mins_and_scales, m4);
-        let mins8 = _mm_and_si128(_mm_srli_epi16::<4>(mins_and_scales), m4);
-        let mins = _mm256_cvtepi8_epi16(mins8);
+        let (scales, mins) = q2k_scales_mins(b);
         let prod = _mm256_madd_epi16(mins, load_i16x16(sb.bsums));
         acc = _mm256_fmadd_ps(dmin, _mm256_cvtepi32_ps(prod), acc);
-        let scales = scale_halves(_mm256_cvtepi8_epi16(scales8));
+        let scales = scale_halves(scales);
         let mut sumi = _mm256_setzero_si256();
         for (j, scales) in scales.iter().enumerate() {
             let base = 128 * j;
@@ -501,9 +518,7 @@ fn q3k_avx2(w: &[u8], a: &Q8KRow) -> f32 {
     for sb in super_blocks(w, KFormat::Q3K, a) {
         let b = sb.w;
         let d = scale_splat(b, 108, sb.d);
-        let sc = scales_q3k(&b[96..108]);
-        // SAFETY: `sc` is sixteen i16 (32 bytes); the load is unaligned.
-        let scales = scale_halves(unsafe { _mm256_loadu_si256(sc.as_ptr().cast()) });
+        let scales = scale_halves(q3k_scales(b));
         let hbits = load32(b, 0);
         let mut sumi = _mm256_setzero_si256();
         for (j, scales) in scales.iter().enumerate() {

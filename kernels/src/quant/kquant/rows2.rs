@@ -16,8 +16,8 @@
 use std::arch::x86_64::*;
 
 use super::avx2::{
-    hsum, k4_scales_mins, load32, load_i16x16, load_i16x8, load_q8, super_blocks, SuperBlock,
-    BROADCAST_I16, SPLIT_I16, SPLIT_I8,
+    hsum, k4_scales_mins, load32, load_i16x16, load_i16x8, load_q8, q2k_scales_mins, super_blocks,
+    SuperBlock, BROADCAST_I16, SPLIT_I16, SPLIT_I8,
 };
 use super::{KFormat, Q8KRow, QK_K};
 use crate::cpu::Avx512;
@@ -287,21 +287,16 @@ fn q6k_rows2(w: [&[u8]; 2], a: &Q8KRow) -> [f32; 2] {
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
 fn q2k_rows2(w: [&[u8]; 2], a: &Q8KRow) -> [f32; 2] {
     let controls: [__m512i; 4] = std::array::from_fn(|k| control512(&SPLIT_I16[k]));
-    let (m3, m4) = (_mm512_set1_epi8(3), _mm256_set1_epi8(0xF));
+    let m3 = _mm512_set1_epi8(3);
     let mut acc = _mm512_setzero_ps();
     for (sb, b) in pairs(w, KFormat::Q2K, a) {
         let d = join_ps(scale_splat(b[0], 80, sb.d), scale_splat(b[1], 80, sb.d));
         let dmin = join_ps(scale_splat(b[0], 82, -sb.d), scale_splat(b[1], 82, -sb.d));
-        // Each row's sixteen scale bytes (its first) in its 128-bit half.
-        // SAFETY: each row's slice is sixteen bytes; the loads are unaligned.
-        let [s0, s1] = b.map(|b| unsafe { _mm_loadu_si128(b[0..16].as_ptr().cast()) });
-        let mins_and_scales = _mm256_set_m128i(s1, s0);
-        let scales8 = _mm256_and_si256(mins_and_scales, m4);
-        let mins8 = _mm256_and_si256(_mm256_srli_epi16::<4>(mins_and_scales), m4);
+        let [(s0, m0), (s1, m1)] = b.map(|b| q2k_scales_mins(b));
         let bsums = _mm512_broadcast_i64x4(load_i16x16(sb.bsums));
-        let prod = _mm512_madd_epi16(_mm512_cvtepi8_epi16(mins8), bsums);
+        let prod = _mm512_madd_epi16(join(m0, m1), bsums);
         acc = _mm512_fmadd_ps(dmin, _mm512_cvtepi32_ps(prod), acc);
-        let scales = scale_halves(_mm512_cvtepi8_epi16(scales8));
+        let scales = scale_halves(join(s0, s1));
         let mut sumi = _mm512_setzero_si512();
         for (j, scales) in scales.iter().enumerate() {
             let bits = pair32(b, 16 + 32 * j);

@@ -16,10 +16,10 @@
 use std::arch::x86_64::*;
 
 use super::avx2::{
-    broadcast_i16, bsums, hsum, k4_scales_mins, k4_values, load32, load_q8, q2k_values, q3k_values,
-    q6k_values, scale_halves, split_i16, split_i8, sums32,
+    broadcast_i16, bsums, hsum, k4_scales_mins, k4_values, load32, load_q8, q2k_scales_mins,
+    q2k_values, q3k_scales, q3k_values, q6k_values, scale_halves, split_i16, split_i8, sums32,
 };
-use super::{f16_at, format, scales_q3k, KFormat, KTile, Q8KRow, Q2, Q3, Q4, Q5, Q6, QK_K};
+use super::{f16_at, format, KFormat, KTile, Q8KRow, Q2, Q3, Q4, Q5, Q6, QK_K};
 use crate::cpu::Features;
 use crate::quant::avx2::on_tier;
 use crate::quant::portable::hsum8;
@@ -296,12 +296,9 @@ fn unpack<const F: u8>(
             u.d = f16_at(b, 208);
         }
         Q2 => {
-            // SAFETY: the super-block's sixteen scale bytes are its first.
-            let ms = unsafe { _mm_loadu_si128(b[0..16].as_ptr().cast()) };
-            let m4 = _mm_set1_epi8(0xF);
-            let scales8 = _mm_and_si128(ms, m4);
-            u.extra = _mm256_cvtepi8_epi16(_mm_and_si128(_mm_srli_epi16::<4>(ms), m4));
-            let halves = scale_halves(_mm256_cvtepi8_epi16(scales8));
+            let (scales, mins) = q2k_scales_mins(b);
+            u.extra = mins;
+            let halves = scale_halves(scales);
             for (j, scales) in halves.iter().enumerate() {
                 for (k, v) in q2k_values(b, j).into_iter().enumerate() {
                     q[at(4 * j + k)] = v;
@@ -312,9 +309,7 @@ fn unpack<const F: u8>(
             u.dmin = f16_at(b, 82);
         }
         _ => {
-            let sc = scales_q3k(&b[96..108]);
-            // SAFETY: `sc` is sixteen i16 (32 bytes); the load is unaligned.
-            let halves = scale_halves(unsafe { _mm256_loadu_si256(sc.as_ptr().cast()) });
+            let halves = scale_halves(q3k_scales(b));
             let hbits = load32(b, 0);
             for (j, scales) in halves.iter().enumerate() {
                 for (k, v) in q3k_values(b, hbits, j).into_iter().enumerate() {

@@ -29,9 +29,12 @@
 
 use std::arch::x86_64::*;
 
-use super::avx2::{k4_scales_mins, k4_values, load32, q2k_values, q3k_values, q6k_values};
+use super::avx2::{
+    k4_scales_mins, k4_values, load32, q2k_scales_mins, q2k_values, q3k_scales, q3k_values,
+    q6k_values,
+};
 use super::tile::{finish_quads, no_scalars, quad_float_step, Floats, QuadAcc, Scalars, GROUP};
-use super::{f16_at, format, scales_q3k, KFormat, Q8KRow, Q2, Q3, Q4, Q5, Q6, QK_K};
+use super::{f16_at, format, KFormat, Q8KRow, Q2, Q3, Q4, Q5, Q6, QK_K};
 
 /// Where weight row `r`'s ggml lane `l` lies in the tile's accumulators (two vectors of
 /// sixteen lanes, rows 0 and 1 in the first).
@@ -151,24 +154,18 @@ fn unpack<const F: u8>(b: &[u8], r: usize, pairs: &mut Pairs) {
         k.d = f16_at(b, 208);
     } else if F == Q2 || F == Q3 {
         if F == Q2 {
-            // SAFETY: the super-block's sixteen scale bytes are its first.
-            let ms = unsafe { _mm_loadu_si128(b[0..16].as_ptr().cast()) };
-            let m4 = _mm_set1_epi8(0xF);
-            pairs.scales[r] = _mm256_cvtepi8_epi16(_mm_and_si128(ms, m4));
-            k.extra = _mm256_cvtepi8_epi16(_mm_and_si128(_mm_srli_epi16::<4>(ms), m4));
+            (pairs.scales[r], k.extra) = q2k_scales_mins(b);
             k.d = f16_at(b, 80);
             k.dmin = f16_at(b, 82);
         } else {
-            let sc = scales_q3k(&b[96..108]);
-            // SAFETY: `sc` is sixteen i16 (32 bytes); the load is unaligned.
-            pairs.scales[r] = unsafe { _mm256_loadu_si256(sc.as_ptr().cast()) };
+            pairs.scales[r] = q3k_scales(b);
             k.d = f16_at(b, 108);
         }
+        let hbits = (F == Q3).then(|| load32(b, 0));
         for j in 0..QK_K / 128 {
-            let [a, b1, c, d] = if F == Q2 {
-                q2k_values(b, j)
-            } else {
-                q3k_values(b, load32(b, 0), j)
+            let [a, b1, c, d] = match hbits {
+                Some(hbits) => q3k_values(b, hbits, j),
+                None => q2k_values(b, j),
             };
             pairs.w[h][4 * j + side] = interleave(a, b1);
             pairs.w[h][4 * j + 2 + side] = interleave(c, d);

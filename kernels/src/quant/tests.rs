@@ -636,6 +636,35 @@ fn k_quants_compute_what_ggml_computes_bit_for_bit() {
 }
 
 #[test]
+fn q3_k_scales_unpack_in_vector_registers_as_the_portable_loop_unpacks_them() {
+    #[cfg_attr(not(target_arch = "x86_64"), allow(unused_mut))]
+    let mut ran: Vec<&str> = Vec::new();
+    #[cfg(target_arch = "x86_64")]
+    if let Some(cpu) = cpu::detect().avx2() {
+        // Every value of every header byte, the other bytes of the super-block varied.
+        for at in 96..108 {
+            for v in 0..=255u8 {
+                let mut b: Vec<u8> = (0..KFormat::Q3K.block_bytes())
+                    .map(|i| (i * 37 + at * 11 + usize::from(v)) as u8)
+                    .collect();
+                b[at] = v;
+                assert_eq!(
+                    kquant::avx2::q3k_scales_i16(cpu, &b),
+                    kquant::scales_q3k(&b[96..108]),
+                    "header byte {} = {v:#04x}",
+                    at - 96
+                );
+            }
+        }
+        ran.push("avx2");
+    }
+    if ran.is_empty() {
+        ran.push("no tier (the vector unpacking is AVX2's)");
+    }
+    say_checked("Q3_K scale unpacking", &ran);
+}
+
+#[test]
 fn the_32_value_formats_compute_what_ggml_computes_bit_for_bit() {
     for (format, name) in [
         (BlockFormat::Q4_0, "q4_0"),

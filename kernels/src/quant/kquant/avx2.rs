@@ -4,7 +4,7 @@
 
 use std::arch::x86_64::*;
 
-use super::{scales_q3k, KFormat, Q8KRow, QK_K};
+use super::{KFormat, Q8KRow, QK_K};
 use crate::cpu::Avx2;
 use crate::quant::avx2::scale_splat;
 use crate::quant::portable::hsum8;
@@ -350,13 +350,56 @@ pub(super) fn q2k_scales_mins(b: &[u8]) -> (__m256i, __m256i) {
     (scales, mins)
 }
 
-/// Q3_K's sixteen signed scales as i16 ([`super::scales_q3k`] of bytes 96..108).
+/// Q3_K's sixteen signed scales as i16 ([`super::scales_q3k`] of bytes 96..108), unpacked
+/// in vector registers: scale `t`'s low four bits are a nibble of header byte `t % 8` (the
+/// low one for `t < 8`), its top two bits are bits `2 (t / 4)..` of byte `8 + t % 4`.
+///
+/// `scales_q3k`'s word arithmetic, which this replaced, went through general registers and
+/// back (`vmovd`, `vpinsrd`) and cost more than the values' arithmetic: the AVX2 one-row
+/// loop with it took ~41 cycles a super-block on an AMD EPYC (Zen 5, one thread, 1 MiB of
+/// 2048-value rows against one activation row, from L2), ~31 with this, ~22 with the scales
+/// left out altogether.
 #[inline]
 #[target_feature(enable = "avx2")]
 pub(super) fn q3k_scales(b: &[u8]) -> __m256i {
-    let sc = scales_q3k(&b[96..108]);
-    // SAFETY: `sc` is sixteen i16 (32 bytes); the load is unaligned.
-    unsafe { _mm256_loadu_si256(sc.as_ptr().cast()) }
+    // The sixteen bytes ending with the super-block's f16 scale: its twelve header bytes
+    // from the third on, no read past the super-block.
+    let h = &b[94..110];
+    // SAFETY: `h` is sixteen bytes; the load is unaligned.
+    let v = unsafe { _mm_loadu_si128(h.as_ptr().cast()) };
+    let control = |c: &[i8; 16]| {
+        // SAFETY: `c` is sixteen bytes; the load is unaligned.
+        unsafe { _mm_loadu_si128(c.as_ptr().cast()) }
+    };
+    let low = _mm_shuffle_epi8(v, control(&Q3K_LOW_BYTES));
+    // Scales 8..16 (the upper four words) take the high nibbles.
+    let low = _mm_blend_epi16::<0xF0>(low, _mm_srli_epi16::<4>(low));
+    let low = _mm_and_si128(low, _mm_set1_epi8(0xF));
+    // Each 32-bit lane holds bytes 8..12 and shifts its own pair of bits down.
+    let top = _mm_shuffle_epi8(v, control(&Q3K_TOP_BYTES));
+    let top = _mm_srlv_epi32(top, _mm_setr_epi32(0, 2, 4, 6));
+    let top = _mm_slli_epi32::<4>(_mm_and_si128(top, _mm_set1_epi8(3)));
+    let scales = _mm_sub_epi8(_mm_or_si128(low, top), _mm_set1_epi8(32));
+    _mm256_cvtepi8_epi16(scales)
+}
+
+/// For each Q3_K scale, the byte (of the sixteen [`q3k_scales`] loads, header byte `i` at
+/// `2 + i`) holding its low four bits: header bytes 0..8, then the same again.
+const Q3K_LOW_BYTES: [i8; 16] = [2, 3, 4, 5, 6, 7, 8, 9, 2, 3, 4, 5, 6, 7, 8, 9];
+/// For each Q3_K scale, the byte holding its top two bits: header bytes 8..12, four times.
+const Q3K_TOP_BYTES: [i8; 16] = [
+    10, 11, 12, 13, 10, 11, 12, 13, 10, 11, 12, 13, 10, 11, 12, 13,
+];
+
+/// [`q3k_scales`] of super-block `b`, as an array: for the test that holds it to
+/// [`super::scales_q3k`].
+#[cfg(test)]
+pub(crate) fn q3k_scales_i16(cpu: Avx2, b: &[u8]) -> [i16; 16] {
+    let _ = cpu;
+    let mut out = [0i16; 16];
+    // SAFETY: `cpu` is the proof that AVX2 was detected; `out` is 32 bytes, stored unaligned.
+    unsafe { _mm256_storeu_si256(out.as_mut_ptr().cast(), q3k_scales(b)) };
+    out
 }
 
 /// Values of chunks `4j..4j + 4` of a Q2_K super-block.

@@ -465,7 +465,7 @@ pub(crate) fn dot_q2k(w: &[u8], a: &Q8KRow) -> f32 {
 /// The sixteen signed 6-bit scales of a Q3_K super-block, as ggml's AVX2 code unpacks
 /// them (with 32 subtracted).
 #[inline]
-fn scales_q3k(q: &[u8]) -> [i16; 16] {
+pub(super) fn scales_q3k(q: &[u8]) -> [i16; 16] {
     let word = |i: usize| u32::from_le_bytes([q[4 * i], q[4 * i + 1], q[4 * i + 2], q[4 * i + 3]]);
     let (k1, k2) = (0x0303_0303_u32, 0x0f0f_0f0f_u32);
     let aux = [word(0), word(1), word(2)];

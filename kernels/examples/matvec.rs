@@ -1,0 +1,130 @@
+//! Times one weight matrix against one activation row, the product a decode step runs, in
+//! one block format on a pool of its own, so a change to a dot product can be measured
+//! without a model: `cargo run --release -p ferrite-kernels --example matvec -- FORMAT KIB
+//! [THREADS]` (FORMAT one of the names below, KIB the matrix's size in KiB, of 2048-value
+//! rows; THREADS 1 unless given). A matrix of a few hundred KiB stays in a core's L2, one of
+//! hundreds of MiB streams from memory. The weights are random bytes with each block's f16
+//! scales set to normal values; the best of five rounds of products is printed, as GB/s of
+//! weights and nanoseconds per block.
+
+use std::process::ExitCode;
+use std::time::Instant;
+
+use ferrite_kernels::quant::{KFormat, QuantMatrix, WeightFormat};
+
+/// The formats this example times, each with where its blocks hold f16 scales.
+const FORMATS: [(&str, WeightFormat, &[usize]); 10] = [
+    ("q4_0", WeightFormat::Q4_0, &[0]),
+    ("q4_1", WeightFormat::Q4_1, &[0, 2]),
+    ("q5_0", WeightFormat::Q5_0, &[0]),
+    ("q5_1", WeightFormat::Q5_1, &[0, 2]),
+    ("q8_0", WeightFormat::Q8_0, &[0]),
+    ("q2_k", WeightFormat::K(KFormat::Q2K), &[80, 82]),
+    ("q3_k", WeightFormat::K(KFormat::Q3K), &[108]),
+    ("q4_k", WeightFormat::K(KFormat::Q4K), &[0, 2]),
+    ("q5_k", WeightFormat::K(KFormat::Q5K), &[0, 2]),
+    ("q6_k", WeightFormat::K(KFormat::Q6K), &[208]),
+];
+
+/// The width of every row: the hidden size of the ~1B models the benchmarks use.
+const COLS: usize = 2048;
+
+fn main() -> ExitCode {
+    match run(std::env::args().skip(1).collect()) {
+        Ok(line) => {
+            println!("{line}");
+            ExitCode::SUCCESS
+        }
+        Err(e) => {
+            let names: Vec<&str> = FORMATS.iter().map(|f| f.0).collect();
+            eprintln!("matvec: {e}");
+            eprintln!(
+                "usage: matvec FORMAT KIB [THREADS]; FORMAT one of {}, KIB and THREADS whole numbers from 1",
+                names.join(", ")
+            );
+            ExitCode::from(2)
+        }
+    }
+}
+
+fn run(args: Vec<String>) -> Result<String, String> {
+    let [name, kib, rest @ ..] = args.as_slice() else {
+        return Err("FORMAT and KIB are required".into());
+    };
+    let &(name, format, scales) = FORMATS
+        .iter()
+        .find(|f| f.0 == name.as_str())
+        .ok_or_else(|| format!("unknown format {name:?}"))?;
+    let kib = whole("KIB", kib)?;
+    let threads = rest.first().map_or(Ok(1), |t| whole("THREADS", t))?;
+    let block_bytes = format.block_bytes();
+    let row_bytes = COLS / format.block_values() * block_bytes;
+    let rows = ((kib << 10) / row_bytes).max(1);
+    let matrix = QuantMatrix::from_gguf_vec(
+        format,
+        rows,
+        COLS,
+        weights(rows * row_bytes, block_bytes, scales),
+    )
+    .ok_or("the matrix's bytes do not fit its shape")?;
+    let x: Vec<f32> = (0..COLS)
+        .map(|i| ((i * 7919) % 255) as f32 / 127.0 - 1.0)
+        .collect();
+    let pool = rayon::ThreadPoolBuilder::new()
+        .num_threads(threads)
+        .build()
+        .map_err(|e| format!("a pool of {threads} threads: {e}"))?;
+    // About 2 GiB of weights read per round, at least three products.
+    let reps = ((2usize << 30) / (rows * row_bytes)).max(3);
+    let mut checksum = 0f32;
+    // The products run on the pool's threads, as the engine's do (a call from outside a pool
+    // would time the hand-over to it too).
+    let best = pool.install(|| {
+        (0..5)
+            .map(|_| {
+                let t = Instant::now();
+                for _ in 0..reps {
+                    checksum += matrix.matmul(&x)[0];
+                }
+                t.elapsed().as_secs_f64() / reps as f64
+            })
+            .fold(f64::MAX, f64::min)
+    });
+    let blocks = rows * COLS / format.block_values();
+    Ok(format!(
+        "{name}: {rows} rows of {COLS} ({} KiB), {threads} thread(s): {:.1} GB/s, {:.2} ns per block (checksum {checksum})",
+        (rows * row_bytes) >> 10,
+        (rows * row_bytes) as f64 / best / 1e9,
+        best * 1e9 / blocks as f64,
+    ))
+}
+
+/// `value` as a whole number from 1, or an error naming `what`.
+fn whole(what: &str, value: &str) -> Result<usize, String> {
+    match value.parse::<usize>() {
+        Ok(n) if n >= 1 => Ok(n),
+        _ => Err(format!(
+            "{what} must be a whole number from 1, not {value:?}"
+        )),
+    }
+}
+
+/// `len` bytes of blocks of `block_bytes`: random, but for the f16 scales at the offsets
+/// `scales` in each block, which are normal numbers (1.0 and 0.5).
+fn weights(len: usize, block_bytes: usize, scales: &[usize]) -> Vec<u8> {
+    let mut state = 0x1234_5678_9abc_def0u64;
+    let mut bytes: Vec<u8> = (0..len)
+        .map(|_| {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            state as u8
+        })
+        .collect();
+    for block in bytes.chunks_exact_mut(block_bytes) {
+        for (k, &at) in scales.iter().enumerate() {
+            block[at..at + 2].copy_from_slice(&[0x00, if k == 0 { 0x3c } else { 0x38 }]);
+        }
+    }
+    bytes
+}

@@ -230,9 +230,15 @@ pub(super) fn split_i16(v: __m256i, k: i32) -> __m256i {
 #[inline]
 #[target_feature(enable = "avx2")]
 pub(super) fn split_i8(v: __m128i, k: i32) -> __m128i {
-    let c = &SPLIT_I8[k as usize];
-    // SAFETY: `c` is 16 bytes; the load is unaligned.
-    _mm_shuffle_epi8(v, unsafe { _mm_loadu_si128(c.as_ptr().cast()) })
+    _mm_shuffle_epi8(v, control16(&SPLIT_I8[k as usize]))
+}
+
+/// A 16-byte constant (a shuffle control or a mask) in a 128-bit register.
+#[inline]
+#[target_feature(enable = "sse2")]
+pub(super) fn control16(c: &[i8; 16]) -> __m128i {
+    // SAFETY: `c` is sixteen bytes; the load is unaligned.
+    unsafe { _mm_loadu_si128(c.as_ptr().cast()) }
 }
 
 /// Q4_K and Q5_K's header: the eight scales as i16 in both 128-bit lanes, and the eight
@@ -245,16 +251,12 @@ pub(super) fn k4_scales_mins(b: &[u8]) -> (__m256i, __m128i) {
     assert!(b.len() >= 20);
     // SAFETY: the assertion keeps the 16 bytes read inside `b`; the load is unaligned.
     let s = unsafe { _mm_loadu_si128(b.as_ptr().add(4).cast()) };
-    let control = |c: &[i8; 16]| {
-        // SAFETY: `c` is sixteen bytes; the load is unaligned.
-        unsafe { _mm_loadu_si128(c.as_ptr().cast()) }
-    };
     // Scales 0..4 are s[0..4] & 63, 4..8 s[8..12] & 15 with s[0..4]'s top two bits above;
     // minimums 0..4 are s[4..8] & 63, 4..8 s[8..12] >> 4 with s[4..8]'s top two bits above.
-    let low = _mm_shuffle_epi8(s, control(&K4_LOW_BYTES));
-    let top = _mm_shuffle_epi8(s, control(&K4_TOP_BYTES));
-    let kept = _mm_and_si128(low, control(&K4_LOW_MASK));
-    let nibble = _mm_and_si128(_mm_srli_epi16::<4>(low), control(&K4_NIBBLE_MASK));
+    let low = _mm_shuffle_epi8(s, control16(&K4_LOW_BYTES));
+    let top = _mm_shuffle_epi8(s, control16(&K4_TOP_BYTES));
+    let kept = _mm_and_si128(low, control16(&K4_LOW_MASK));
+    let nibble = _mm_and_si128(_mm_srli_epi16::<4>(low), control16(&K4_NIBBLE_MASK));
     let top = _mm_and_si128(_mm_srli_epi16::<2>(top), _mm_set1_epi8(0x30));
     let sm = _mm_or_si128(_mm_or_si128(kept, nibble), top);
     let ms = _mm256_cvtepu8_epi16(sm);
@@ -367,16 +369,12 @@ pub(super) fn q3k_scales(b: &[u8]) -> __m256i {
     let h = &b[94..110];
     // SAFETY: `h` is sixteen bytes; the load is unaligned.
     let v = unsafe { _mm_loadu_si128(h.as_ptr().cast()) };
-    let control = |c: &[i8; 16]| {
-        // SAFETY: `c` is sixteen bytes; the load is unaligned.
-        unsafe { _mm_loadu_si128(c.as_ptr().cast()) }
-    };
-    let low = _mm_shuffle_epi8(v, control(&Q3K_LOW_BYTES));
+    let low = _mm_shuffle_epi8(v, control16(&Q3K_LOW_BYTES));
     // Scales 8..16 (the upper four words) take the high nibbles.
     let low = _mm_blend_epi16::<0xF0>(low, _mm_srli_epi16::<4>(low));
     let low = _mm_and_si128(low, _mm_set1_epi8(0xF));
     // Each 32-bit lane holds bytes 8..12 and shifts its own pair of bits down.
-    let top = _mm_shuffle_epi8(v, control(&Q3K_TOP_BYTES));
+    let top = _mm_shuffle_epi8(v, control16(&Q3K_TOP_BYTES));
     let top = _mm_srlv_epi32(top, _mm_setr_epi32(0, 2, 4, 6));
     let top = _mm_slli_epi32::<4>(_mm_and_si128(top, _mm_set1_epi8(3)));
     let scales = _mm_sub_epi8(_mm_or_si128(low, top), _mm_set1_epi8(32));

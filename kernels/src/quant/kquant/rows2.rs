@@ -16,8 +16,8 @@
 use std::arch::x86_64::*;
 
 use super::avx2::{
-    hsum, k4_scales_mins, load32, load_i16x16, load_i16x8, load_q8, q2k_scales_mins, super_blocks,
-    SuperBlock, BROADCAST_I16, SPLIT_I16, SPLIT_I8,
+    control16, hsum, k4_scales_mins, load32, load_i16x16, load_i16x8, load_q8, q2k_scales_mins,
+    super_blocks, SuperBlock, BROADCAST_I16, SPLIT_I16, SPLIT_I8,
 };
 use super::{KFormat, Q8KRow, QK_K};
 use crate::cpu::Avx512;
@@ -126,8 +126,7 @@ fn control512(c: &[i8; 32]) -> __m512i {
 #[inline]
 #[target_feature(enable = "avx2")]
 fn control256(c: &[i8; 16]) -> __m256i {
-    // SAFETY: `c` is 16 bytes; the load is unaligned.
-    _mm256_broadcastsi128_si256(unsafe { _mm_loadu_si128(c.as_ptr().cast()) })
+    _mm256_broadcastsi128_si256(control16(c))
 }
 
 /// Each row's sixteen i16 scales (`scales`: the first row's in the low 256 bits) as

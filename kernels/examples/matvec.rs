@@ -1,13 +1,15 @@
 //! Times one weight matrix against one activation row, the product a decode step runs, in
 //! one block format on a pool of its own, so a change to a dot product can be measured
 //! without a model: `cargo run --release -p ferrite-kernels --example matvec -- FORMAT KIB
-//! [THREADS]` (FORMAT one of the names below, KIB the matrix's size in KiB, of 2048-value
-//! rows; THREADS 1 unless given). A matrix of a few hundred KiB stays in a core's L2, one of
+//! [THREADS [ROWS]]` (FORMAT one of the names below, KIB the matrix's size in KiB, of
+//! 2048-value rows; THREADS 1 unless given; ROWS activation rows, 1 unless given: a
+//! prefill's product, on the batch kernels, at hundreds). A matrix of a few hundred KiB stays in a core's L2, one of
 //! hundreds of MiB streams from memory. The weights are random bytes, their f16 scales
 //! included: x86 float units take a slow path for denormal numbers only, which f16 scales do
 //! not make in f32, not for the infinities and NaNs some random scales are (on a Zen 5 every
 //! format here timed the same as with the scales set to 1.0 and 0.5). The best of five rounds
-//! of products is printed, as GB/s of weights and nanoseconds per block.
+//! of products is printed, as GB/s of weights, nanoseconds per block and multiply-adds per
+//! second.
 
 use std::hint::black_box;
 use std::process::ExitCode;
@@ -42,7 +44,7 @@ fn main() -> ExitCode {
             let names: Vec<&str> = FORMATS.iter().map(|f| f.0).collect();
             eprintln!("matvec: {e}");
             eprintln!(
-                "usage: matvec FORMAT KIB [THREADS]; FORMAT one of {}, KIB and THREADS whole numbers from 1",
+                "usage: matvec FORMAT KIB [THREADS [ROWS]]; FORMAT one of {}, KIB, THREADS and ROWS whole numbers from 1",
                 names.join(", ")
             );
             ExitCode::from(2)
@@ -60,19 +62,21 @@ fn run(args: Vec<String>) -> Result<String, String> {
         .ok_or_else(|| format!("unknown format {name:?}"))?;
     let kib = whole("KIB", kib)?;
     let threads = rest.first().map_or(Ok(1), |t| whole("THREADS", t))?;
+    let acts = rest.get(1).map_or(Ok(1), |m| whole("ROWS", m))?;
     let row_bytes = COLS / format.block_values() * format.block_bytes();
     let rows = ((kib << 10) / row_bytes).max(1);
     let matrix = QuantMatrix::from_gguf_vec(format, rows, COLS, random_bytes(rows * row_bytes))
         .ok_or("the matrix's bytes do not fit its shape")?;
-    let x: Vec<f32> = (0..COLS)
+    let x: Vec<f32> = (0..acts * COLS)
         .map(|i| ((i * 7919) % 255) as f32 / 127.0 - 1.0)
         .collect();
     let pool = rayon::ThreadPoolBuilder::new()
         .num_threads(threads)
         .build()
         .map_err(|e| format!("a pool of {threads} threads: {e}"))?;
-    // About 2 GiB of weights read per round, at least three products.
-    let reps = ((2usize << 30) / (rows * row_bytes)).max(3);
+    // About 2 GiB of weights read per round (as many bytes met by each activation row),
+    // at least three products.
+    let reps = ((2usize << 30) / (rows * row_bytes * acts)).max(3);
     // The products run on the pool's threads, as the engine's do (a call from outside a pool
     // would time the hand-over to it too).
     let best = pool.install(|| {
@@ -88,10 +92,11 @@ fn run(args: Vec<String>) -> Result<String, String> {
     });
     let blocks = rows * COLS / format.block_values();
     Ok(format!(
-        "{name}: {rows} rows of {COLS} ({} KiB), {threads} thread(s): {:.1} GB/s, {:.2} ns per block",
+        "{name}: {rows} rows of {COLS} ({} KiB) x {acts} activation row(s), {threads} thread(s): {:.1} GB/s, {:.2} ns per block, {:.1} G multiply-adds/s",
         (rows * row_bytes) >> 10,
         (rows * row_bytes) as f64 / best / 1e9,
         best * 1e9 / blocks as f64,
+        (rows * COLS * acts) as f64 / best / 1e9,
     ))
 }
 

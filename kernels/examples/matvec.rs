@@ -15,10 +15,11 @@ use std::hint::black_box;
 use std::process::ExitCode;
 use std::time::Instant;
 
-use ferrite_kernels::quant::{KFormat, QuantMatrix, WeightFormat};
+use ferrite_kernels::quant::{FloatFormat, KFormat, QuantMatrix, WeightFormat};
+use half::{bf16, f16};
 
 /// The formats this example times, by the names it takes.
-const FORMATS: [(&str, WeightFormat); 10] = [
+const FORMATS: [(&str, WeightFormat); 13] = [
     ("q4_0", WeightFormat::Q4_0),
     ("q4_1", WeightFormat::Q4_1),
     ("q5_0", WeightFormat::Q5_0),
@@ -29,6 +30,9 @@ const FORMATS: [(&str, WeightFormat); 10] = [
     ("q4_k", WeightFormat::K(KFormat::Q4K)),
     ("q5_k", WeightFormat::K(KFormat::Q5K)),
     ("q6_k", WeightFormat::K(KFormat::Q6K)),
+    ("f16", WeightFormat::Float(FloatFormat::F16)),
+    ("bf16", WeightFormat::Float(FloatFormat::BF16)),
+    ("f32", WeightFormat::Float(FloatFormat::F32)),
 ];
 
 /// The width of every row: the hidden size of the ~1B models the benchmarks use.
@@ -65,7 +69,11 @@ fn run(args: Vec<String>) -> Result<String, String> {
     let acts = rest.get(1).map_or(Ok(1), |m| whole("ROWS", m))?;
     let row_bytes = COLS / format.block_values() * format.block_bytes();
     let rows = ((kib << 10) / row_bytes).max(1);
-    let matrix = QuantMatrix::from_gguf_vec(format, rows, COLS, random_bytes(rows * row_bytes))
+    let bytes = match format {
+        WeightFormat::Float(f) => random_floats(f, rows * COLS),
+        _ => random_bytes(rows * row_bytes),
+    };
+    let matrix = QuantMatrix::from_gguf_vec(format, rows, COLS, bytes)
         .ok_or("the matrix's bytes do not fit its shape")?;
     let x: Vec<f32> = (0..acts * COLS)
         .map(|i| ((i * 7919) % 255) as f32 / 127.0 - 1.0)
@@ -119,6 +127,23 @@ fn random_bytes(len: usize) -> Vec<u8> {
             state ^= state >> 7;
             state ^= state << 17;
             state as u8
+        })
+        .collect()
+}
+
+/// `len` values uniform in [-1, 1) from the same sequence, stored as `format`: random bytes
+/// would make BF16 subnormals, which x86 float units take a slow path for.
+fn random_floats(format: FloatFormat, len: usize) -> Vec<u8> {
+    let bits = random_bytes(4 * len);
+    bits.chunks_exact(4)
+        .flat_map(|b| {
+            let v =
+                (u32::from_le_bytes([b[0], b[1], b[2], b[3]]) >> 8) as f32 / (1 << 23) as f32 - 1.0;
+            match format {
+                FloatFormat::F32 => v.to_le_bytes().to_vec(),
+                FloatFormat::F16 => f16::from_f32(v).to_le_bytes().to_vec(),
+                FloatFormat::BF16 => bf16::from_f32(v).to_le_bytes().to_vec(),
+            }
         })
         .collect()
 }

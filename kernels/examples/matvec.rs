@@ -134,16 +134,15 @@ fn random_bytes(len: usize) -> Vec<u8> {
 /// `len` values uniform in [-1, 1) from the same sequence, stored as `format`: random bytes
 /// would make BF16 subnormals, which x86 float units take a slow path for.
 fn random_floats(format: FloatFormat, len: usize) -> Vec<u8> {
-    let bits = random_bytes(4 * len);
-    bits.chunks_exact(4)
-        .flat_map(|b| {
-            let v =
-                (u32::from_le_bytes([b[0], b[1], b[2], b[3]]) >> 8) as f32 / (1 << 23) as f32 - 1.0;
-            match format {
-                FloatFormat::F32 => v.to_le_bytes().to_vec(),
-                FloatFormat::F16 => f16::from_f32(v).to_le_bytes().to_vec(),
-                FloatFormat::BF16 => bf16::from_f32(v).to_le_bytes().to_vec(),
-            }
-        })
-        .collect()
+    let mut out = Vec::with_capacity(len * format.bytes());
+    for b in random_bytes(4 * len).chunks_exact(4) {
+        let bits = u32::from_le_bytes([b[0], b[1], b[2], b[3]]);
+        let v = (bits >> 8) as f32 / (1 << 23) as f32 - 1.0;
+        match format {
+            FloatFormat::F32 => out.extend_from_slice(&v.to_le_bytes()),
+            FloatFormat::F16 => out.extend_from_slice(&f16::from_f32(v).to_le_bytes()),
+            FloatFormat::BF16 => out.extend_from_slice(&bf16::from_f32(v).to_le_bytes()),
+        }
+    }
+    out
 }

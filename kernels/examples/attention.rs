@@ -7,10 +7,13 @@
 //! position is read and every exponential computed as for real ones. The best of five
 //! passes is printed, in milliseconds and in (query head, position) pairs per second.
 
+mod common;
+
 use std::hint::black_box;
 use std::process::ExitCode;
 use std::time::Instant;
 
+use common::{whole, Xorshift};
 use ferrite_kernels::attention::{paged_attention_batch, HeadShape, KvBlocks, SeqKv};
 use half::f16;
 
@@ -25,17 +28,11 @@ const SHAPE: HeadShape = HeadShape {
 const BLOCK: usize = 16;
 
 fn main() -> ExitCode {
-    match run(std::env::args().skip(1).collect()) {
-        Ok(line) => {
-            println!("{line}");
-            ExitCode::SUCCESS
-        }
-        Err(e) => {
-            eprintln!("attention: {e}");
-            eprintln!("usage: attention TOKENS [THREADS]; both whole numbers from 1");
-            ExitCode::from(2)
-        }
-    }
+    common::main_with(
+        "attention",
+        || "TOKENS [THREADS]; both whole numbers from 1".into(),
+        run,
+    )
 }
 
 fn run(args: Vec<String>) -> Result<String, String> {
@@ -49,7 +46,7 @@ fn run(args: Vec<String>) -> Result<String, String> {
         kv_heads,
         head_dim: d,
     } = SHAPE;
-    let mut random = Xorshift(0x1234_5678_9abc_def0);
+    let mut random = Xorshift::new();
     let block_len = BLOCK * kv_heads * d;
     let mut cache = |_| -> Vec<Vec<f16>> {
         (0..tokens.div_ceil(BLOCK))
@@ -100,27 +97,4 @@ fn run(args: Vec<String>) -> Result<String, String> {
         best * 1e3,
         pairs as f64 / best / 1e6,
     ))
-}
-
-/// `value` as a whole number from 1, or an error naming `what`.
-fn whole(what: &str, value: &str) -> Result<usize, String> {
-    match value.parse::<usize>() {
-        Ok(n) if n >= 1 => Ok(n),
-        _ => Err(format!(
-            "{what} must be a whole number from 1, not {value:?}"
-        )),
-    }
-}
-
-/// A fixed xorshift sequence.
-struct Xorshift(u64);
-
-impl Xorshift {
-    /// The next value, uniform in [-1, 1).
-    fn unit(&mut self) -> f32 {
-        self.0 ^= self.0 << 13;
-        self.0 ^= self.0 >> 7;
-        self.0 ^= self.0 << 17;
-        (self.0 >> 40) as f32 / (1u64 << 23) as f32 - 1.0
-    }
 }

@@ -11,10 +11,13 @@
 //! of products is printed, as GB/s of weights, nanoseconds per block and multiply-adds per
 //! second.
 
+mod common;
+
 use std::hint::black_box;
 use std::process::ExitCode;
 use std::time::Instant;
 
+use common::{whole, Xorshift};
 use ferrite_kernels::quant::{FloatFormat, KFormat, QuantMatrix, WeightFormat};
 use half::{bf16, f16};
 
@@ -39,21 +42,17 @@ const FORMATS: [(&str, WeightFormat); 13] = [
 const COLS: usize = 2048;
 
 fn main() -> ExitCode {
-    match run(std::env::args().skip(1).collect()) {
-        Ok(line) => {
-            println!("{line}");
-            ExitCode::SUCCESS
-        }
-        Err(e) => {
-            let names: Vec<&str> = FORMATS.iter().map(|f| f.0).collect();
-            eprintln!("matvec: {e}");
-            eprintln!(
-                "usage: matvec FORMAT KIB [THREADS [ROWS]]; FORMAT one of {}, KIB, THREADS and ROWS whole numbers from 1",
+    let names: Vec<&str> = FORMATS.iter().map(|f| f.0).collect();
+    common::main_with(
+        "matvec",
+        || {
+            format!(
+                "FORMAT KIB [THREADS [ROWS]]; FORMAT one of {}, KIB, THREADS and ROWS whole numbers from 1",
                 names.join(", ")
-            );
-            ExitCode::from(2)
-        }
-    }
+            )
+        },
+        run,
+    )
 }
 
 fn run(args: Vec<String>) -> Result<String, String> {
@@ -108,36 +107,19 @@ fn run(args: Vec<String>) -> Result<String, String> {
     ))
 }
 
-/// `value` as a whole number from 1, or an error naming `what`.
-fn whole(what: &str, value: &str) -> Result<usize, String> {
-    match value.parse::<usize>() {
-        Ok(n) if n >= 1 => Ok(n),
-        _ => Err(format!(
-            "{what} must be a whole number from 1, not {value:?}"
-        )),
-    }
-}
-
 /// `len` bytes from a fixed xorshift sequence.
 fn random_bytes(len: usize) -> Vec<u8> {
-    let mut state = 0x1234_5678_9abc_def0u64;
-    (0..len)
-        .map(|_| {
-            state ^= state << 13;
-            state ^= state >> 7;
-            state ^= state << 17;
-            state as u8
-        })
-        .collect()
+    let mut random = Xorshift::new();
+    (0..len).map(|_| random.next_u64() as u8).collect()
 }
 
-/// `len` values uniform in [-1, 1) from the same sequence, stored as `format`: random bytes
-/// would make BF16 subnormals, which x86 float units take a slow path for.
+/// `len` values uniform in [-1, 1), stored as `format`: random bytes would make BF16
+/// subnormals, which x86 float units take a slow path for.
 fn random_floats(format: FloatFormat, len: usize) -> Vec<u8> {
+    let mut random = Xorshift::new();
     let mut out = Vec::with_capacity(len * format.bytes());
-    for b in random_bytes(4 * len).chunks_exact(4) {
-        let bits = u32::from_le_bytes([b[0], b[1], b[2], b[3]]);
-        let v = (bits >> 8) as f32 / (1 << 23) as f32 - 1.0;
+    for _ in 0..len {
+        let v = random.unit();
         match format {
             FloatFormat::F32 => out.extend_from_slice(&v.to_le_bytes()),
             FloatFormat::F16 => out.extend_from_slice(&f16::from_f32(v).to_le_bytes()),

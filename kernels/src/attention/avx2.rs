@@ -9,7 +9,7 @@ use std::arch::x86_64::*;
 use half::f16;
 
 use super::expf::{C, INV_LN2_N, MAY_UNDERFLOW, OVERFLOW, SHIFT, T, UNDERFLOW};
-use super::{prefetch_next_chunk, softmax_chunk, HeadJob, HeadKernel, CHUNK};
+use super::{prefetch_next_chunk, softmax_chunk, subnormal_weight, HeadJob, HeadKernel, CHUNK};
 use crate::cpu::Avx2;
 
 /// `dst[i] = one(src[i])` over the shorter slice's length: `eight` takes exactly eight
@@ -286,10 +286,11 @@ fn heads_avx2<const N: usize, const G: usize>(qr: &[f32], job: HeadJob<'_, f16>,
         }
         let exp = |x: &[f32; CHUNK]| expf_chunk(x);
         softmax_chunk(&scores, n, &mut max, &mut sum, &mut ms, &mut vs, exp);
-        // The value rows, the check for subnormal weights only in chunks that have one
-        // (`subnormal`): the common chunk runs the plain loop.
-        let subnormal = |w: f32| w > 0.0 && w < f32::MIN_POSITIVE;
-        let tiny = vs.iter().any(|vs| vs[..n].iter().any(|&w| subnormal(w)));
+        // The value rows, the check for subnormal weights only in chunks that have one: the
+        // common chunk runs the plain loop.
+        let tiny = vs
+            .iter()
+            .any(|vs| vs[..n].iter().any(|&w| subnormal_weight(w)));
         let mut values_pass = |check: bool| {
             for (j, v) in values.rows(head, d, first, n).enumerate() {
                 let mut vx = [_mm256_setzero_ps(); N];
@@ -303,7 +304,7 @@ fn heads_avx2<const N: usize, const G: usize>(qr: &[f32], job: HeadJob<'_, f16>,
                             *a = round8(_mm256_mul_ps(*a, m));
                         }
                     }
-                    if check && subnormal(vs[g][j]) && vx.iter().all(|&v| is_finite8(v)) {
+                    if check && subnormal_weight(vs[g][j]) && vx.iter().all(|&v| is_finite8(v)) {
                         // What the multiply-add and rounding give, worked out without
                         // subnormal arithmetic (see `below_f16`).
                         for (a, v) in acc[g].iter_mut().zip(&vx) {

@@ -8,7 +8,7 @@ use std::arch::x86_64::*;
 
 use half::f16;
 
-use super::{prefetch_next_chunk, softmax_chunk, HeadJob, HeadKernel, CHUNK};
+use super::{prefetch_next_chunk, softmax_chunk, subnormal_weight, HeadJob, HeadKernel, CHUNK};
 use crate::cpu::Avx512;
 use crate::fold::{halves, pairs, quarters};
 
@@ -177,14 +177,13 @@ fn values_chunk<'a, const N: usize, const G: usize, const CHECK: bool>(
     ms: &[[f32; CHUNK]; G],
     vs: &[[f32; CHUNK]; G],
 ) {
-    let subnormal = |w: f32| w > 0.0 && w < f32::MIN_POSITIVE;
     let mut a = *acc;
     for (j, v) in rows.enumerate() {
         let mut vx = [_mm512_setzero_ps(); N];
         for (c, vx) in vx.iter_mut().enumerate() {
             *vx = load16(v, 16 * c);
         }
-        if (0..G).all(|g| ms[g][j] == 1.0 && !(CHECK && subnormal(vs[g][j]))) {
+        if (0..G).all(|g| ms[g][j] == 1.0 && !(CHECK && subnormal_weight(vs[g][j]))) {
             for g in 0..G {
                 let w = _mm512_set1_ps(vs[g][j]);
                 for (a, v) in a[g].iter_mut().zip(&vx) {
@@ -209,7 +208,6 @@ fn rare_position<const N: usize, const G: usize, const CHECK: bool>(
     vx: &[__m512; N],
     weights: [(f32, f32); G],
 ) {
-    let subnormal = |w: f32| w > 0.0 && w < f32::MIN_POSITIVE;
     for (acc, (m, w)) in acc.iter_mut().zip(weights) {
         if m != 1.0 {
             let m = _mm512_set1_ps(m);
@@ -217,7 +215,7 @@ fn rare_position<const N: usize, const G: usize, const CHECK: bool>(
                 *a = round16(_mm512_mul_ps(*a, m));
             }
         }
-        if CHECK && subnormal(w) && vx.iter().all(|&v| is_finite16(v)) {
+        if CHECK && subnormal_weight(w) && vx.iter().all(|&v| is_finite16(v)) {
             // What the multiply-add and rounding give, worked out without subnormal
             // arithmetic (see `below_f16`).
             for (a, v) in acc.iter_mut().zip(vx) {
@@ -299,8 +297,9 @@ fn heads_avx512<const N: usize, const G: usize>(
         softmax_chunk(&scores, n, &mut max, &mut sum, &mut ms, &mut vs, exp);
         // The value rows, the check for subnormal weights only in chunks that have one: the
         // common chunk runs the plain loop.
-        let subnormal = |w: f32| w > 0.0 && w < f32::MIN_POSITIVE;
-        let tiny = vs.iter().any(|vs| vs[..n].iter().any(|&w| subnormal(w)));
+        let tiny = vs
+            .iter()
+            .any(|vs| vs[..n].iter().any(|&w| subnormal_weight(w)));
         let rows = values.rows(head, d, first, n);
         if tiny {
             values_chunk::<N, G, true>(&mut acc, rows, &ms, &vs);

@@ -363,6 +363,15 @@ fn prefetch_next_chunk<T>(job: &HeadJob<'_, T>, d: usize, first: usize) {
     }
 }
 
+/// Whether a value row's softmax weight `w` is subnormal: where the vector head kernels work
+/// out the multiply-add and its f16 rounding without subnormal arithmetic, which costs a
+/// microcode assist per instruction on Intel CPUs.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+fn subnormal_weight(w: f32) -> bool {
+    w > 0.0 && w < f32::MIN_POSITIVE
+}
+
 /// The online-softmax bookkeeping of a vector head kernel's chunk of `n` positions, in
 /// position order: for each head and position, the factor the accumulator is rescaled by
 /// (`ms`: below 1 where the position raised the maximum; where it is exactly 1, rescaling

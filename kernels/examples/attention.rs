@@ -11,9 +11,8 @@ mod common;
 
 use std::hint::black_box;
 use std::process::ExitCode;
-use std::time::Instant;
 
-use common::{whole, Xorshift};
+use common::{best_of_five, whole, Xorshift};
 use ferrite_kernels::attention::{paged_attention_batch, HeadShape, KvBlocks, SeqKv};
 use half::f16;
 
@@ -48,7 +47,7 @@ fn run(args: Vec<String>) -> Result<String, String> {
     } = SHAPE;
     let mut random = Xorshift::new();
     let block_len = BLOCK * kv_heads * d;
-    let mut cache = |_| -> Vec<Vec<f16>> {
+    let mut cache = || -> Vec<Vec<f16>> {
         (0..tokens.div_ceil(BLOCK))
             .map(|_| {
                 (0..block_len)
@@ -57,7 +56,7 @@ fn run(args: Vec<String>) -> Result<String, String> {
             })
             .collect()
     };
-    let (keys, values) = (cache(0), cache(1));
+    let (keys, values) = (cache(), cache());
     let q: Vec<f32> = (0..tokens * heads * d)
         .map(|_| 2.0 * random.unit())
         .collect();
@@ -76,21 +75,10 @@ fn run(args: Vec<String>) -> Result<String, String> {
         tokens,
     };
     let mut out = vec![0f32; q.len()];
-    let pool = rayon::ThreadPoolBuilder::new()
-        .num_threads(threads)
-        .build()
-        .map_err(|e| format!("a pool of {threads} threads: {e}"))?;
-    // The pass runs on the pool's threads, as the engine's does.
-    let best = pool.install(|| {
-        (0..5)
-            .map(|_| {
-                let t = Instant::now();
-                paged_attention_batch(black_box(&q), &positions, &[seq], SHAPE, &mut out);
-                black_box(&out);
-                t.elapsed().as_secs_f64()
-            })
-            .fold(f64::MAX, f64::min)
-    });
+    let best = best_of_five(threads, || {
+        paged_attention_batch(black_box(&q), &positions, &[seq], SHAPE, &mut out);
+        black_box(&out);
+    })?;
     let pairs = heads * tokens * (tokens + 1) / 2;
     Ok(format!(
         "{tokens} tokens, {heads} heads of {d} over {kv_heads}, {threads} thread(s): {:.2} ms, {:.0} M pairs/s",

@@ -3,21 +3,20 @@
 //! without a model: `cargo run --release -p ferrite-kernels --example matvec -- FORMAT KIB
 //! [THREADS [ROWS]]` (FORMAT one of the names below, KIB the matrix's size in KiB, of
 //! 2048-value rows; THREADS 1 unless given; ROWS activation rows, 1 unless given: a
-//! prefill's product, on the batch kernels, at hundreds). A matrix of a few hundred KiB stays in a core's L2, one of
-//! hundreds of MiB streams from memory. The weights are random bytes, their f16 scales
-//! included: x86 float units take a slow path for denormal numbers only, which f16 scales do
-//! not make in f32, not for the infinities and NaNs some random scales are (on a Zen 5 every
-//! format here timed the same as with the scales set to 1.0 and 0.5). The best of five rounds
-//! of products is printed, as GB/s of weights, nanoseconds per block and multiply-adds per
-//! second.
+//! prefill's product, on the batch kernels, at hundreds). A matrix of a few hundred KiB stays
+//! in a core's L2, one of hundreds of MiB streams from memory. Quantized weights are random
+//! bytes, their f16 scales included: x86 float units take a slow path for denormal numbers
+//! only, which f16 scales do not make in f32, not for the infinities and NaNs some random
+//! scales are (on a Zen 5 every format here timed the same as with the scales set to 1.0 and
+//! 0.5). Float weights are random values in [-1, 1). The best of five rounds of products is
+//! printed, as GB/s of weights, nanoseconds per block and multiply-adds per second.
 
 mod common;
 
 use std::hint::black_box;
 use std::process::ExitCode;
-use std::time::Instant;
 
-use common::{whole, Xorshift};
+use common::{best_of_five, whole, Xorshift};
 use ferrite_kernels::quant::{FloatFormat, KFormat, QuantMatrix, WeightFormat};
 use half::{bf16, f16};
 
@@ -77,26 +76,14 @@ fn run(args: Vec<String>) -> Result<String, String> {
     let x: Vec<f32> = (0..acts * COLS)
         .map(|i| ((i * 7919) % 255) as f32 / 127.0 - 1.0)
         .collect();
-    let pool = rayon::ThreadPoolBuilder::new()
-        .num_threads(threads)
-        .build()
-        .map_err(|e| format!("a pool of {threads} threads: {e}"))?;
     // About 2 GiB of weights read per round (as many bytes met by each activation row),
     // at least three products.
     let reps = ((2usize << 30) / (rows * row_bytes * acts)).max(3);
-    // The products run on the pool's threads, as the engine's do (a call from outside a pool
-    // would time the hand-over to it too).
-    let best = pool.install(|| {
-        (0..5)
-            .map(|_| {
-                let t = Instant::now();
-                for _ in 0..reps {
-                    black_box(matrix.matmul(black_box(&x)));
-                }
-                t.elapsed().as_secs_f64() / reps as f64
-            })
-            .fold(f64::MAX, f64::min)
-    });
+    let best = best_of_five(threads, || {
+        for _ in 0..reps {
+            black_box(matrix.matmul(black_box(&x)));
+        }
+    })? / reps as f64;
     let blocks = rows * COLS / format.block_values();
     Ok(format!(
         "{name}: {rows} rows of {COLS} ({} KiB) x {acts} activation row(s), {threads} thread(s): {:.1} GB/s, {:.2} ns per block, {:.1} G multiply-adds/s",

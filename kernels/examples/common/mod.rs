@@ -1,7 +1,8 @@
-//! What the kernel examples share: their command-line handling and a fixed pseudo-random
-//! sequence for their inputs.
+//! What the kernel examples share: their command-line handling, their timing and a fixed
+//! pseudo-random sequence for their inputs.
 
 use std::process::ExitCode;
+use std::time::Instant;
 
 /// Runs an example named `name`: prints `run`'s line and exits 0, or prints its error and
 /// `usage` and exits 2.
@@ -21,6 +22,25 @@ pub fn main_with(
             ExitCode::from(2)
         }
     }
+}
+
+/// The fastest of five runs of `round`, in seconds, each on a pool of `threads` threads of
+/// its own, as the engine runs its kernels (called from outside a pool, a kernel would be
+/// timed with the hand-over to it).
+pub fn best_of_five(threads: usize, mut round: impl FnMut() + Send) -> Result<f64, String> {
+    let pool = rayon::ThreadPoolBuilder::new()
+        .num_threads(threads)
+        .build()
+        .map_err(|e| format!("a pool of {threads} threads: {e}"))?;
+    Ok(pool.install(|| {
+        (0..5)
+            .map(|_| {
+                let t = Instant::now();
+                round();
+                t.elapsed().as_secs_f64()
+            })
+            .fold(f64::MAX, f64::min)
+    }))
 }
 
 /// `value` as a whole number from 1, or an error naming `what`.

@@ -65,7 +65,9 @@ fn q2k(w: [&[u8]; 2], a: &Q8KRow) -> [f32; 2] {
 
 /// The super-blocks of two weight rows (as long as each other) beside the activation row's:
 /// the first row's as [`super_blocks`] hands them out, the second's bytes beside them,
-/// asked for as far ahead.
+/// asked for as far ahead. Inlined always, as [`super_blocks`] is, so `format` is a constant
+/// in both.
+#[inline(always)]
 fn pairs<'a>(
     w: [&'a [u8]; 2],
     format: KFormat,

@@ -1053,7 +1053,7 @@ fn kquant_dot2(features: cpu::Features, format: KFormat) -> Option<Dot2<kquant::
     #[cfg(target_arch = "x86_64")]
     return features
         .avx512()
-        .and_then(|cpu| kquant::rows2::dot2(cpu, format))
+        .map(|cpu| kquant::rows2::dot2(cpu, format))
         .or_else(|| features.avx2().map(|cpu| kquant::avx2::dot2(cpu, format)));
     #[cfg(not(target_arch = "x86_64"))]
     {

@@ -598,7 +598,7 @@ fn k_quants_compute_what_ggml_computes_bit_for_bit() {
             #[cfg(target_arch = "x86_64")]
             if let Some(dot2) = cpu::detect()
                 .avx512()
-                .and_then(|cpu| kquant::rows2::dot2(cpu, format))
+                .map(|cpu| kquant::rows2::dot2(cpu, format))
             {
                 let w = &row.weights[..];
                 let v = dot2([w, w], &a).map(f32::to_bits);
@@ -1712,11 +1712,10 @@ fn k_quant_two_row_dot_products_give_each_row_its_one_row_dot_product() {
                 f.avx2()
                     .map(|cpu| ("avx2", kquant::avx2::dot2(cpu, format))),
             );
-            match f.avx512().map(|cpu| kquant::rows2::dot2(cpu, format)) {
-                Some(Some(dot2)) => dots.push(("avx512", dot2)),
-                Some(None) => tell!("{name}: no AVX-512 two-row dot product (AVX2's runs)"),
-                None => {}
-            }
+            dots.extend(
+                f.avx512()
+                    .map(|cpu| ("avx512", kquant::rows2::dot2(cpu, format))),
+            );
         }
         for (tier, dot2) in dots {
             let what = format!("{name} {tier} (extreme values: {extreme})");

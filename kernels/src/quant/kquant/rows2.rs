@@ -327,8 +327,8 @@ fn q2k_rows2(w: [&[u8]; 2], a: &Q8KRow) -> [f32; 2] {
     hsums(acc)
 }
 
-/// Q3_K: ggml's AVX2 loop (`q3k_avx2` in [`super::avx2`]) on two rows at once, each value's
-/// high bit subtracted as four times the activation, as there.
+/// Q3_K: ggml's AVX2 loop (`q3k_avx2` in [`super::avx2`]) on two rows at once: four times
+/// the activation subtracted where a value's high bit is clear, as there.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
 fn q3k_rows2(w: [&[u8]; 2], a: &Q8KRow) -> [f32; 2] {
     let controls: [__m512i; 4] = std::array::from_fn(|k| control512(&SPLIT_I16[k]));

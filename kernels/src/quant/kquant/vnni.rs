@@ -9,10 +9,9 @@
 //! most 4 · 63 · 127), so `vpackssdw` packs two rows' into i16 pairs `(D(c, l), D(c + 1,
 //! l))`, and one `vpdpwssd` multiplies each pair by its two scales and adds both to the
 //! lane: three multiplies per two chunks of two rows, where `maddubs` and `madd` take four.
-//! Q3_K's values are met as `value + 4`, and each `vpdpbusd` starts from minus four times
-//! the activation bytes' sums, so its `D`s are ggml's. Q2_K's values times their scales
-//! still fit a byte, so its rows are unpacked already scaled and its lanes need only the
-//! `vpdpbusd`s ([`q2_sumi`]). The integers are exact, so each lane holds ggml's sum.
+//! Q2_K's and Q3_K's values times their scales (one per sixteen values) fit a byte (Q3_K's
+//! negated), so their rows are unpacked already scaled and their lanes need only the
+//! `vpdpbusd`s ([`scaled_sumi`]). The integers are exact, so each lane holds ggml's sum.
 //!
 //! For the pairs to land in one i32 lane, the two chunks' 4-byte groups alternate: weight and
 //! activation bytes alike are laid out in [`super::pair_order`] (the activation rows once
@@ -93,10 +92,10 @@ const fn block_scale_index() -> [u16; 32] {
 
 const BLOCK_SCALES: [u16; 32] = block_scale_index();
 
-/// Word indices that gather, from a Q2_K row's sixteen i16 scales, the scale of each word
-/// of its chunks `2p` and `2p + 1` in pair order (`[p]`): 32-bit lane `L` holds four values
-/// of chunk `2p + L % 2`, from its first sixteen where `L < 8`.
-const Q2_VALUE_SCALES: [[u16; 32]; 4] = {
+/// Word indices that gather, from a Q2_K or Q3_K row's sixteen i16 scales, the scale of each
+/// word of its chunks `2p` and `2p + 1` in pair order (`[p]`): 32-bit lane `L` holds four
+/// values of chunk `2p + L % 2`, from its first sixteen where `L < 8`.
+const VALUE_SCALES: [[u16; 32]; 4] = {
     let mut idx = [[0u16; 32]; 4];
     let mut p = 0;
     while p < 4 {
@@ -134,6 +133,9 @@ struct Pairs {
     s: [[__m512i; 4]; 2],
     /// Each row's scales as sixteen i16 (Q4_K and Q5_K: eight, twice).
     scales: [__m256i; 4],
+    /// Each row's lanes' start (in pair order): Q3_K's takes off 127 times the sum of the
+    /// lane's scaled values ([`scaled_sumi`]); zero for the other formats.
+    start: [__m512i; 4],
     k: [Scalars; 4],
     f: Floats,
 }
@@ -156,9 +158,9 @@ fn interleave(lo: __m256i, hi: __m256i) -> __m512i {
 }
 
 /// Unpacks super-block `b` of weight row `r` into `pairs` (Q2_K's values already
-/// multiplied by their scales).
+/// multiplied by their scales, Q3_K's by minus theirs).
 #[inline]
-#[target_feature(enable = "avx512f,avx512bw,avx2")]
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2")]
 fn unpack<const F: u8>(b: &[u8], r: usize, pairs: &mut Pairs) {
     let (h, side) = (r / 2, r % 2);
     let k = &mut pairs.k[r];
@@ -191,16 +193,29 @@ fn unpack<const F: u8>(b: &[u8], r: usize, pairs: &mut Pairs) {
             pairs.w[h][4 * j + side] = interleave(a, b1);
             pairs.w[h][4 * j + 2 + side] = interleave(c, d);
         }
-        if F == Q2 {
-            // Each value times its scale: at most 3 · 15, a byte, and the i16 product of a
-            // word's two bytes carries nothing from the low one into the high one.
-            let scales = _mm512_zextsi256_si512(pairs.scales[r]);
-            for (p, idx) in Q2_VALUE_SCALES.iter().enumerate() {
-                let s = _mm512_permutexvar_epi16(words(idx), scales);
-                let w = &mut pairs.w[h][2 * p + side];
+        let scales = _mm512_zextsi256_si512(pairs.scales[r]);
+        let mut sum = _mm512_setzero_si512();
+        for (p, idx) in VALUE_SCALES.iter().enumerate() {
+            let s = _mm512_permutexvar_epi16(words(idx), scales);
+            let w = &mut pairs.w[h][2 * p + side];
+            if F == Q2 {
+                // Each value times its scale: at most 3 · 15, a byte, and the i16 product of
+                // a word's two bytes carries nothing from the low one into the high one.
                 *w = _mm512_mullo_epi16(*w, s);
+            } else {
+                // Minus each value times its scale, -128..=124 (from -4 · -32 down to 3 · 31
+                // up): a byte's product is the low byte of its word's product with the
+                // scale, the low byte's taken from the word as it is and the high byte's
+                // from the word with its low byte cleared.
+                let minus = _mm512_sub_epi8(_mm512_set1_epi8(4), *w);
+                let low = _mm512_mullo_epi16(minus, s);
+                let high_only = _mm512_and_si512(minus, _mm512_set1_epi16(0xFF00u16 as i16));
+                let high = _mm512_mullo_epi16(high_only, s);
+                *w = _mm512_mask_blend_epi8(0xAAAA_AAAA_AAAA_AAAA, low, high);
+                sum = _mm512_dpbusd_epi32(sum, _mm512_set1_epi8(127), *w);
             }
         }
+        pairs.start[r] = _mm512_sub_epi32(_mm512_setzero_si512(), sum);
     } else {
         let (scales, mins) = k4_scales_mins(b);
         k.extra = _mm256_zextsi128_si256(mins);
@@ -237,7 +252,7 @@ fn constants<const F: u8>(pairs: &mut Pairs) {
             _mm512_castsi256_si512(pairs.scales[2 * h]),
             pairs.scales[2 * h + 1],
         );
-        if F != Q2 {
+        if F != Q2 && F != Q3 {
             for (s, idx) in pairs.s[h].iter_mut().zip(table) {
                 *s = _mm512_permutexvar_epi16(words(idx), both);
             }
@@ -275,26 +290,20 @@ fn quad_sumi<const F: u8>(
     states: &mut [QuadAcc],
     then: impl Fn(&Q8KRow, &mut QuadAcc, [__m512i; 2]),
 ) {
-    let w = pairs.w;
-    let (zero, four) = (_mm512_setzero_si512(), _mm512_set1_epi8(4));
-    if F == Q2 {
-        return q2_sumi(&w, acts, i, states, then);
+    if F == Q2 || F == Q3 {
+        return scaled_sumi::<F>(pairs, acts, i, states, then);
     }
+    let w = pairs.w;
+    let zero = _mm512_setzero_si512();
     for (act, state) in acts.iter().zip(states) {
         let y = &act.paired[i * QK_K..(i + 1) * QK_K];
         let mut acc = [zero; 2];
         for p in 0..4 {
             // SAFETY: `y` holds 256 bytes, so 64 from `64 p`; the load is unaligned.
             let y = unsafe { _mm512_loadu_si512(y[64 * p..].as_ptr().cast()) };
-            // Q3_K's values are 4 above ggml's: each lane starts 4 times its bytes' sum down.
-            let start = if F == Q3 {
-                _mm512_sub_epi32(zero, _mm512_dpbusd_epi32(zero, four, y))
-            } else {
-                zero
-            };
             for h in 0..2 {
-                let r0 = _mm512_dpbusd_epi32(start, w[h][2 * p], y);
-                let r1 = _mm512_dpbusd_epi32(start, w[h][2 * p + 1], y);
+                let r0 = _mm512_dpbusd_epi32(zero, w[h][2 * p], y);
+                let r1 = _mm512_dpbusd_epi32(zero, w[h][2 * p + 1], y);
                 acc[h] = _mm512_dpwssd_epi32(acc[h], pairs.s[h][p], _mm512_packs_epi32(r0, r1));
             }
         }
@@ -302,33 +311,49 @@ fn quad_sumi<const F: u8>(
     }
 }
 
-/// [`quad_sumi`] for Q2_K, whose values [`unpack`] has multiplied by their scales: each
-/// `vpdpbusd` adds its four products, already scaled, into the row's lanes, so each row's
-/// sixteen lanes gather the whole super-block (chunks `2p` in even lanes, `2p + 1` in odd),
-/// and two rows' adjacent lanes are summed into the tile's layout at the end. The same
-/// exact integers as the pairs' `vpdpwssd` (at most 16 · 45 · 128 a lane), without its
+/// [`quad_sumi`] for Q2_K and Q3_K, whose values [`unpack`] has multiplied by their scales:
+/// each `vpdpbusd` adds its four products, already scaled, into the row's lanes, so each
+/// row's sixteen lanes gather the whole super-block (chunks `2p` in even lanes, `2p + 1` in
+/// odd), and two rows' adjacent lanes are summed into the tile's layout at the end. The
+/// same exact integers as the pairs' `vpdpwssd` (at most 16 · 255 · 128 a lane), without its
 /// `vpackssdw`, `vpdpwssd` and scale vectors: 22 integer instructions an activation row
-/// where [`quad_sumi`] takes 32. AMD EPYC (Zen 5), alternating: one thread, `matvec -- q2_k
-/// 2304 1 256`, 187–194 -> 231–238 G multiply-adds per second; random 1.1B Q2_K (52 % of
-/// its weights Q2_K), 1000-token prompts 268 -> 286–287 tok/s.
+/// where [`quad_sumi`] takes 32 (Q3_K: 26 where 40).
+///
+/// Q3_K's scaled values are signed and reach 128 (-4 · -32), one past a signed byte, so the
+/// rows hold minus each (`m`, down to -128) and the activation bytes `a` are met as the
+/// unsigned `127 - a` (`a ^ 0x7F`): the lane gathers `127 Σ m - Σ a m`, and starts at
+/// `-127 Σ m` ([`Pairs::start`]), which leaves `Σ a · (-m)`, ggml's sum.
+///
+/// AMD EPYC (Zen 5), alternating with [`quad_sumi`]: one thread, `matvec -- <format> 2304 1
+/// 256`, Q2_K 187–194 -> 231–238 G multiply-adds per second, Q3_K 187–195 -> 221–227;
+/// random 1.1B, 1000-token prompts, Q2_K (52 % of its weights Q2_K, 33 % Q3_K) 268 -> 298–304
+/// tok/s, Q3_K_M (54 % Q3_K) 257–259 -> 288–289.
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2")]
-fn q2_sumi(
-    w: &[[__m512i; 8]; 2],
+fn scaled_sumi<const F: u8>(
+    pairs: &Pairs,
     acts: &[Q8KRow],
     i: usize,
     states: &mut [QuadAcc],
     then: impl Fn(&Q8KRow, &mut QuadAcc, [__m512i; 2]),
 ) {
-    let zero = _mm512_setzero_si512();
+    let w = &pairs.w;
+    let flip = _mm512_set1_epi8(0x7F);
     for (act, state) in acts.iter().zip(states) {
         let y = &act.paired[i * QK_K..(i + 1) * QK_K];
-        let mut rows = [zero; 4];
+        let mut rows = pairs.start;
         for p in 0..4 {
             // SAFETY: `y` holds 256 bytes, so 64 from `64 p`; the load is unaligned.
             let y = unsafe { _mm512_loadu_si512(y[64 * p..].as_ptr().cast()) };
+            let flipped = _mm512_xor_si512(y, flip);
             for (r, row) in rows.iter_mut().enumerate() {
-                *row = _mm512_dpbusd_epi32(*row, w[r / 2][2 * p + r % 2], y);
+                let w = w[r / 2][2 * p + r % 2];
+                // The first factor is the unsigned one: Q2_K's values, Q3_K's flipped bytes.
+                *row = if F == Q3 {
+                    _mm512_dpbusd_epi32(*row, flipped, w)
+                } else {
+                    _mm512_dpbusd_epi32(*row, w, y)
+                };
             }
         }
         let lanes = std::array::from_fn(|h| {
@@ -358,6 +383,7 @@ fn tile_body<const F: u8>(rows: [&[u8]; 4], acts: &[Q8KRow], out: &mut [[f32; 4]
         w: [[zi; 8]; 2],
         s: [[zi; 4]; 2],
         scales: [_mm256_setzero_si256(); 4],
+        start: [zi; 4],
         k: [no_scalars(); 4],
         f: Floats::zero(),
     };

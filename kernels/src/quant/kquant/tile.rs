@@ -123,10 +123,13 @@ pub(super) struct Scalars {
 /// One weight row's super-block, unpacked (the AVX2 tile).
 #[derive(Clone, Copy)]
 struct Unpacked {
-    /// Chunk `c`: the 32 values, as unsigned bytes, meeting activation bytes `32c..32c + 32`.
+    /// Chunk `c`: the 32 values, as unsigned bytes, meeting activation bytes `32c..32c + 32`
+    /// (on AVX-VNNI, Q2_K's and Q3_K's already scaled: [`prescale`]).
     q: [__m256i; 8],
     /// Chunk `c`: the i16 scale of each of its sixteen byte pairs.
     s: [__m256i; 8],
+    /// Where the lanes start ([`prescale`]'s Q3_K; zero otherwise).
+    start: __m256i,
     k: Scalars,
 }
 
@@ -338,6 +341,32 @@ fn act<const F: u8>(a: &Q8KRow, i: usize) -> Act {
     }
 }
 
+/// Q2_K's and Q3_K's values times their scales, for the AVX-VNNI tile's `vpdpbusd` alone, as
+/// [`super::vnni`]'s tile takes them: Q2_K's times theirs (at most 3 · 15, so a word's
+/// product carries nothing between its bytes), Q3_K's times minus theirs (-128..=124; each
+/// byte's product the low byte of its word's), met by the activation bytes flipped to
+/// `127 - a`, with each lane's start at -127 times its values' sum.
+#[inline]
+#[target_feature(enable = "avx2")]
+fn prescale<const F: u8>(u: &mut Unpacked) {
+    let high_bytes = _mm256_set1_epi16(0xFF00u16 as i16);
+    let mut sum = _mm256_setzero_si256();
+    for (q, s) in u.q.iter_mut().zip(&u.s) {
+        if F == Q2 {
+            *q = _mm256_mullo_epi16(*q, *s);
+        } else {
+            let minus = _mm256_sub_epi8(_mm256_set1_epi8(4), *q);
+            let low = _mm256_mullo_epi16(minus, *s);
+            let high = _mm256_mullo_epi16(_mm256_and_si256(minus, high_bytes), *s);
+            *q = _mm256_blendv_epi8(low, high, high_bytes);
+            // 127 times each pair (at most 127 · 256 in size), then each lane's two pairs.
+            let pairs = _mm256_maddubs_epi16(_mm256_set1_epi8(127), *q);
+            sum = _mm256_add_epi32(sum, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
+        }
+    }
+    u.start = _mm256_sub_epi32(_mm256_setzero_si256(), sum);
+}
+
 /// The integer lanes of weight row `u` against super-block `i` of each activation row,
 /// into `sumis[a]`: four chunks at a time, whose values and scales (eight of the sixteen
 /// registers) are loaded once for every activation row, which then costs one load per two
@@ -352,7 +381,12 @@ fn act<const F: u8>(a: &Q8KRow, i: usize) -> Act {
 /// each four and splits the rest back into the two (its tuning, for the x86-64-v3 release
 /// build and a Zen 3 build alike); capped to AVX-VNNI on a Zen 5, random 1.1B Q4_K_M,
 /// 512-token prompts measured 1–8 % faster in six alternating pairs (136–142 -> 143–150
-/// tok/s), within the VM's drift.
+/// tok/s), within the VM's drift. Q2_K's and Q3_K's values come already scaled there
+/// ([`prescale`]), so one `vpdpbusd` a chunk adds their lanes (Q3_K's with the activation
+/// bytes flipped), where `maddubs` and `vpdpwssd` took two (Q3_K four). Capped to AVX-VNNI
+/// on the Zen 5, alternating: `matvec -- q3_k 2304 1 256` 64–65 -> 82 G multiply-adds/s
+/// (Q2_K's even, 79–81: its float steps hold it), random 1.1B Q3_K_M 512-token prompts
+/// 125–130 -> 140–145 tok/s.
 #[inline]
 #[target_feature(enable = "avx2")]
 fn sumis_avx2<const F: u8, const VNNI: bool>(
@@ -361,19 +395,29 @@ fn sumis_avx2<const F: u8, const VNNI: bool>(
     i: usize,
     sumis: &mut [__m256i],
 ) {
-    let four = _mm256_set1_epi8(4);
+    let (four, flip) = (_mm256_set1_epi8(4), _mm256_set1_epi8(0x7F));
+    let scaled = VNNI && (F == Q2 || F == Q3);
     for half in 0..2 {
         let q: [__m256i; 4] = std::array::from_fn(|k| u.q[4 * half + k]);
         let s: [__m256i; 4] = std::array::from_fn(|k| u.s[4 * half + k]);
         for (a, sumi) in acts.iter().zip(sumis.iter_mut()) {
             let bytes = &a.qs[i * QK_K..(i + 1) * QK_K];
-            let mut acc = if half == 0 {
-                _mm256_setzero_si256()
-            } else {
-                *sumi
-            };
+            let mut acc = if half == 0 { u.start } else { *sumi };
             for k in 0..4 {
                 let y = load_q8(bytes, 32 * (4 * half + k));
+                if scaled {
+                    // The values already scaled ([`prescale`]); the unsigned factor first.
+                    // SAFETY: with `VNNI` this runs only inlined into `on_tier`'s function
+                    // with AVX-VNNI enabled (`tile_avx2_body` calls it so).
+                    acc = unsafe {
+                        if F == Q3 {
+                            _mm256_dpbusd_avx_epi32(acc, _mm256_xor_si256(y, flip), q[k])
+                        } else {
+                            _mm256_dpbusd_avx_epi32(acc, q[k], y)
+                        }
+                    };
+                    continue;
+                }
                 let mut p16 = _mm256_maddubs_epi16(q[k], y);
                 if F == Q3 {
                     p16 = _mm256_sub_epi16(p16, _mm256_maddubs_epi16(four, y));
@@ -468,6 +512,7 @@ unsafe fn tile_avx2_body<const F: u8, const VNNI: bool>(
     let mut u = [Unpacked {
         q: [zi; 8],
         s: [zi; 8],
+        start: zi,
         k: no_scalars(),
     }; 4];
     let mut sumis = [[zi; GROUP]; 4];
@@ -477,6 +522,9 @@ unsafe fn tile_avx2_body<const F: u8, const VNNI: bool>(
             for ((u, w), sumis) in u.iter_mut().zip(rows).zip(sumis.iter_mut()) {
                 let b = &w[i * bytes..(i + 1) * bytes];
                 unpack::<F>(b, &mut u.q, &mut u.s, (1, 0), &mut u.k);
+                if VNNI && (F == Q2 || F == Q3) {
+                    prescale::<F>(u);
+                }
                 // SAFETY: the caller guarantees the AVX2 tier (AVX2, FMA, F16C) and, with
                 // `VNNI`, AVX-VNNI.
                 unsafe { on_tier::<VNNI, _>(|| sumis_avx2::<F, VNNI>(u, group, i, sumis)) }

@@ -443,11 +443,16 @@ impl QuantMatrix {
         match self.format {
             WeightFormat::K(k) => {
                 let tile = kquant_tile(features, k).filter(|_| m >= KQUANT_TILE_MIN_ROWS);
-                let plain: fn(&[f32]) -> kquant::Q8KRow = kquant::quantize_row_q8k;
-                let quantize = tile.map_or(plain, |t| t.quantize);
+                let dot2 = kquant_dot2(features, k, tile.is_none());
+                let plain: Q8KQuantizer = kquant::quantize_row_q8k;
+                let quantize = match (tile, dot2) {
+                    (Some(t), _) => t.quantize,
+                    (None, Some((_, quantize))) => quantize,
+                    (None, None) => plain,
+                };
                 let kernels = PairKernels {
                     dot: kquant_dot(features, k),
-                    dot2: kquant_dot2(features, k),
+                    dot2: dot2.map(|(dot2, _)| dot2),
                     tile: tile.map(|t| t.run),
                 };
                 self.matmul_pairs(x, m, quantize, kernels)
@@ -1046,18 +1051,38 @@ fn kquant_dot(features: cpu::Features, format: KFormat) -> fn(&[u8], &kquant::Q8
     kquant::dot(format)
 }
 
+/// A quantizer of activation rows to Q8_K, for a K-quant product.
+type Q8KQuantizer = fn(&[f32]) -> kquant::Q8KRow;
+
 /// The two-row K-quant dot product for `format` on the best tier `features` has, if it has
-/// one: AVX-512's, two rows in one register ([`kquant::rows2`]), else AVX2's, one row after
-/// the other (two streams of weights either way, which is what one activation row gains).
-fn kquant_dot2(features: cpu::Features, format: KFormat) -> Option<Dot2<kquant::Q8KRow>> {
+/// one, with the quantizer of the activation rows it takes: AVX-512's, two rows in one
+/// register ([`kquant::rows2`]), on rows [`kquant::quantize_row_q8k_doubled`] gives, else
+/// AVX2's, one row after the other (two streams of weights either way, which is what one
+/// activation row gains). Without `own_rows` the rows come from another quantizer (a
+/// tile's, whose rows the two-row product meets only in the weight rows a task has past its
+/// groups of four), and AVX2's takes them.
+fn kquant_dot2(
+    features: cpu::Features,
+    format: KFormat,
+    own_rows: bool,
+) -> Option<(Dot2<kquant::Q8KRow>, Q8KQuantizer)> {
     #[cfg(target_arch = "x86_64")]
     return features
         .avx512()
-        .map(|cpu| kquant::rows2::dot2(cpu, format))
-        .or_else(|| features.avx2().map(|cpu| kquant::avx2::dot2(cpu, format)));
+        .filter(|_| own_rows)
+        .map(|cpu| {
+            let quantize: Q8KQuantizer = kquant::quantize_row_q8k_doubled;
+            (kquant::rows2::dot2(cpu, format), quantize)
+        })
+        .or_else(|| {
+            let quantize: Q8KQuantizer = kquant::quantize_row_q8k;
+            features
+                .avx2()
+                .map(|cpu| (kquant::avx2::dot2(cpu, format), quantize))
+        });
     #[cfg(not(target_arch = "x86_64"))]
     {
-        let _ = (features, format);
+        let _ = (features, format, own_rows);
         None
     }
 }

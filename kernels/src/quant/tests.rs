@@ -601,7 +601,8 @@ fn k_quants_compute_what_ggml_computes_bit_for_bit() {
                 .map(|cpu| kquant::rows2::dot2(cpu, format))
             {
                 let w = &row.weights[..];
-                let v = dot2([w, w], &a).map(f32::to_bits);
+                let doubled = kquant::quantize_row_q8k_doubled(&row.x);
+                let v = dot2([w, w], &doubled).map(f32::to_bits);
                 assert_eq!(
                     v,
                     [row.dot.to_bits(); 2],
@@ -1697,7 +1698,8 @@ fn k_quant_two_row_dot_products_give_each_row_its_one_row_dot_product() {
                 true => 1.0,
             })
             .collect();
-        let a = kquant::quantize_row_q8k(&x);
+        // With the bytes doubled too, as the AVX-512 two-row dot product reads them.
+        let a = kquant::quantize_row_q8k_doubled(&x);
         let row_bytes = cols / kquant::QK_K * format.block_bytes();
         let row = |r: usize| &w[r * row_bytes..(r + 1) * row_bytes];
         let want: Vec<u32> = (0..rows)

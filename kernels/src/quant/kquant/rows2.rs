@@ -20,8 +20,8 @@
 use std::arch::x86_64::*;
 
 use super::avx2::{
-    control16, hsum, k4_scales_mins, load32, load_i16x16, load_i16x8, load_q8, q2k_scales_mins,
-    q3k_scales, super_blocks, SuperBlock, BROADCAST_I16, SPLIT_I16, SPLIT_I8,
+    control16, hsum, k4_scales_mins, load32, load_i16x16, load_i16x8, q2k_scales_mins, q3k_scales,
+    super_blocks, SuperBlock, BROADCAST_I16, SPLIT_I16, SPLIT_I8,
 };
 use super::{KFormat, Q8KRow, QK_K};
 use crate::cpu::Avx512;
@@ -75,26 +75,32 @@ fn q3k(w: [&[u8]; 2], a: &Q8KRow) -> [f32; 2] {
 
 /// The super-blocks of two weight rows (as long as each other) beside the activation row's:
 /// the first row's as [`super_blocks`] hands them out, the second's bytes beside them,
-/// asked for as far ahead. Inlined always, as [`super_blocks`] is, so `format` is a constant
-/// in both.
+/// asked for as far ahead, and the activation super-block's bytes [`Q8KRow::doubled`] (512).
+/// Inlined always, as [`super_blocks`] is, so `format` is a constant in both.
 #[inline(always)]
 fn pairs<'a>(
     w: [&'a [u8]; 2],
     format: KFormat,
     a: &'a Q8KRow,
-) -> impl Iterator<Item = (SuperBlock<'a>, [&'a [u8]; 2])> {
+) -> impl Iterator<Item = (SuperBlock<'a>, [&'a [u8]; 2], &'a [i8])> {
     assert_eq!(
         w[0].len(),
         w[1].len(),
         "two weight rows as long as each other"
     );
+    assert_eq!(
+        a.doubled.len(),
+        2 * a.qs.len(),
+        "the AVX-512 two-row dot products read activation rows from quantize_row_q8k_doubled"
+    );
     let bytes = format.block_bytes();
     super_blocks(w[0], format, a)
         .zip(w[1].chunks_exact(bytes))
-        .map(move |(sb, second)| {
+        .zip(a.doubled.chunks_exact(2 * QK_K))
+        .map(move |((sb, second), y2)| {
             prefetch_ahead(second.as_ptr(), bytes.div_ceil(64));
             let b = [sb.w, second];
-            (sb, b)
+            (sb, b, y2)
         })
 }
 
@@ -119,11 +125,14 @@ fn pair32(b: [&[u8]; 2], at: usize) -> __m512i {
     join(load32(b[0], at), load32(b[1], at))
 }
 
-/// 32 activation bytes at `at`, in both halves.
+/// The 32 activation bytes at `at` of a super-block, in both halves: 64 bytes at `2 at` of
+/// its bytes [`Q8KRow::doubled`] (`y2`).
 #[inline]
-#[target_feature(enable = "avx512f,avx2")]
-fn both(q: &[i8], at: usize) -> __m512i {
-    _mm512_broadcast_i64x4(load_q8(q, at))
+#[target_feature(enable = "avx512f")]
+fn both(y2: &[i8], at: usize) -> __m512i {
+    let y = &y2[2 * at..2 * at + 64];
+    // SAFETY: `y` is 64 bytes; the load is unaligned.
+    unsafe { _mm512_loadu_si512(y.as_ptr().cast()) }
 }
 
 /// A 32-byte shuffle control in both halves of a 512-bit register.
@@ -194,7 +203,7 @@ fn k4_rows2<const FIVE: bool>(w: [&[u8]; 2], a: &Q8KRow) -> [f32; 2] {
     // Q4_K's minimums go into four f32 lanes per row, Q5_K's into a scalar per row.
     let mut acc_m = [_mm_setzero_ps(); 2];
     let mut summs = [0f32; 2];
-    for (sb, b) in pairs(w, format, a) {
+    for (sb, b, y2) in pairs(w, format, a) {
         let d = join_ps(scale_splat(b[0], 0, sb.d), scale_splat(b[1], 0, sb.d));
         let mut scales = [_mm256_setzero_si256(); 2];
         for r in 0..2 {
@@ -219,8 +228,8 @@ fn k4_rows2<const FIVE: bool>(w: [&[u8]; 2], a: &Q8KRow) -> [f32; 2] {
             let scale_l = _mm512_shuffle_epi8(scales, controls[2 * j]);
             let scale_h = _mm512_shuffle_epi8(scales, controls[2 * j + 1]);
             let [q4l, q4h] = k4_values(b, hbits, j);
-            let p16l = _mm512_madd_epi16(scale_l, _mm512_maddubs_epi16(q4l, both(sb.q, 64 * j)));
-            let q8h = both(sb.q, 64 * j + 32);
+            let p16l = _mm512_madd_epi16(scale_l, _mm512_maddubs_epi16(q4l, both(y2, 64 * j)));
+            let q8h = both(y2, 64 * j + 32);
             let p16h = _mm512_madd_epi16(scale_h, _mm512_maddubs_epi16(q4h, q8h));
             sumi = _mm512_add_epi32(sumi, _mm512_add_epi32(p16l, p16h));
         }
@@ -266,7 +275,7 @@ fn q6k_values(b: [&[u8]; 2], j: usize) -> [__m512i; 4] {
 fn q6k_rows2(w: [&[u8]; 2], a: &Q8KRow) -> [f32; 2] {
     let controls: [__m256i; 8] = std::array::from_fn(|k| control256(&SPLIT_I8[k]));
     let mut acc = _mm512_setzero_ps();
-    for (sb, b) in pairs(w, KFormat::Q6K, a) {
+    for (sb, b, y2) in pairs(w, KFormat::Q6K, a) {
         let d = join_ps(scale_splat(b[0], 208, sb.d), scale_splat(b[1], 208, sb.d));
         let q8sums = _mm512_broadcast_i64x4(load_i16x16(sb.bsums));
         // Each row's sixteen scale bytes (192..208 of its 210) in its 128-bit half.
@@ -280,7 +289,7 @@ fn q6k_rows2(w: [&[u8]; 2], a: &Q8KRow) -> [f32; 2] {
             let q4 = q6k_values(b, j);
             let mut p = [_mm512_setzero_si512(); 4];
             for (k, (p, q)) in p.iter_mut().zip(q4).enumerate() {
-                let y = both(sb.q, 128 * j + 32 * k);
+                let y = both(y2, 128 * j + 32 * k);
                 let scale = _mm512_cvtepi8_epi16(_mm256_shuffle_epi8(scales, controls[4 * j + k]));
                 *p = _mm512_madd_epi16(scale, _mm512_maddubs_epi16(q, y));
             }
@@ -300,7 +309,7 @@ fn q2k_rows2(w: [&[u8]; 2], a: &Q8KRow) -> [f32; 2] {
     let controls: [__m512i; 4] = std::array::from_fn(|k| control512(&SPLIT_I16[k]));
     let m3 = _mm512_set1_epi8(3);
     let mut acc = _mm512_setzero_ps();
-    for (sb, b) in pairs(w, KFormat::Q2K, a) {
+    for (sb, b, y2) in pairs(w, KFormat::Q2K, a) {
         let d = join_ps(scale_splat(b[0], 80, sb.d), scale_splat(b[1], 80, sb.d));
         let dmin = join_ps(scale_splat(b[0], 82, -sb.d), scale_splat(b[1], 82, -sb.d));
         let [(s0, m0), (s1, m1)] = b.map(|b| q2k_scales_mins(b));
@@ -314,7 +323,7 @@ fn q2k_rows2(w: [&[u8]; 2], a: &Q8KRow) -> [f32; 2] {
             let p: [__m512i; 4] = std::array::from_fn(|k| {
                 let shift = _mm_cvtsi32_si128(2 * k as i32);
                 let q = _mm512_and_si512(_mm512_srl_epi16(bits, shift), m3);
-                let y = both(sb.q, 128 * j + 32 * k);
+                let y = both(y2, 128 * j + 32 * k);
                 let scale = _mm512_shuffle_epi8(*scales, controls[k]);
                 _mm512_madd_epi16(scale, _mm512_maddubs_epi16(q, y))
             });
@@ -334,7 +343,7 @@ fn q3k_rows2(w: [&[u8]; 2], a: &Q8KRow) -> [f32; 2] {
     let controls: [__m512i; 4] = std::array::from_fn(|k| control512(&SPLIT_I16[k]));
     let (m3, one) = (_mm512_set1_epi8(3), _mm512_set1_epi8(1));
     let mut acc = _mm512_setzero_ps();
-    for (sb, b) in pairs(w, KFormat::Q3K, a) {
+    for (sb, b, y2) in pairs(w, KFormat::Q3K, a) {
         let d = join_ps(scale_splat(b[0], 108, sb.d), scale_splat(b[1], 108, sb.d));
         let scales = scale_halves(join(q3k_scales(b[0]), q3k_scales(b[1])));
         let hbits = pair32(b, 0);
@@ -349,7 +358,7 @@ fn q3k_rows2(w: [&[u8]; 2], a: &Q8KRow) -> [f32; 2] {
                     _mm512_andnot_si512(hbits, _mm512_sll_epi16(one, bit)),
                     bit,
                 ));
-                let y = both(sb.q, 128 * j + 32 * k);
+                let y = both(y2, 128 * j + 32 * k);
                 let q8s = _mm512_maddubs_epi16(high, y);
                 let p16 = _mm512_sub_epi16(_mm512_maddubs_epi16(low, y), q8s);
                 _mm512_madd_epi16(_mm512_shuffle_epi8(*scales, controls[k]), p16)

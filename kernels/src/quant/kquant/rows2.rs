@@ -15,7 +15,8 @@
 //! (family 26, model 2) it is faster from the caches too (one thread, 1 MiB of 2048-value
 //! rows from L2, `matvec -- <format> 1024`, against the same run capped to AVX2): Q2_K 3.3
 //! against 3.8–4.1 ns a super-block, Q3_K 4.5 against 6.1–6.3, Q4_K 3.7 against 4.6–4.7,
-//! Q6_K 3.9–4.1 against 5.1–5.3.
+//! Q6_K 3.9–4.1 against 5.1–5.3; with the activation chunks doubled
+//! ([`Q8KRow::doubled`]) Q2_K 2.9, Q3_K 4.3, Q4_K 3.4–3.5, Q6_K 3.7.
 
 use std::arch::x86_64::*;
 

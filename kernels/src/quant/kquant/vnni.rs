@@ -129,7 +129,8 @@ const BLOCK_SUMS: [u32; 16] = {
 struct Pairs {
     /// Row `2h + k % 2`'s chunks `2p` and `2p + 1` (`p = k / 2`) at `w[h][k]`, in pair order.
     w: [[__m512i; 8]; 2],
-    /// For chunks `2p` and `2p + 1`, each lane's two scales at `s[h][p]`.
+    /// For chunks `2p` and `2p + 1`, each lane's two scales at `s[h][p]` (not for Q2_K and Q3_K,
+    /// whose values carry theirs).
     s: [[__m512i; 4]; 2],
     /// Each row's scales as sixteen i16 (Q4_K and Q5_K: eight, twice).
     scales: [__m256i; 4],
@@ -325,7 +326,7 @@ fn quad_sumi<const F: u8>(
 /// `-127 Σ m` ([`Pairs::start`]), which leaves `Σ a · (-m)`, ggml's sum.
 ///
 /// AMD EPYC (Zen 5), alternating with [`quad_sumi`]: one thread, `matvec -- <format> 2304 1
-/// 256`, Q2_K 187–194 -> 231–238 G multiply-adds per second, Q3_K 187–195 -> 221–227;
+/// 256`, Q2_K 187–194 -> 231–243 G multiply-adds per second, Q3_K 187–195 -> 221–227;
 /// random 1.1B, 1000-token prompts, Q2_K (52 % of its weights Q2_K, 33 % Q3_K) 268 -> 298–304
 /// tok/s, Q3_K_M (54 % Q3_K) 257–259 -> 288–289.
 #[inline]

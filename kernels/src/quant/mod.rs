@@ -444,11 +444,10 @@ impl QuantMatrix {
             WeightFormat::K(k) => {
                 let tile = kquant_tile(features, k).filter(|_| m >= KQUANT_TILE_MIN_ROWS);
                 let dot2 = kquant_dot2(features, k, tile.is_none());
-                let plain: Q8KQuantizer = kquant::quantize_row_q8k;
                 let quantize = match (tile, dot2) {
                     (Some(t), _) => t.quantize,
                     (None, Some((_, quantize))) => quantize,
-                    (None, None) => plain,
+                    (None, None) => kquant::quantize_row_q8k,
                 };
                 let kernels = PairKernels {
                     dot: kquant_dot(features, k),

@@ -111,8 +111,8 @@ pub struct Q8KRow {
 /// activation chunk with two weight rows' chunks, one in each half of a 512-bit register:
 /// from this layout that is a 64-byte load, where from `qs` it was a 32-byte load
 /// broadcast to both halves. One thread, 1 MiB of 2048-value rows from L2 (`matvec --
-/// <format> 1024`), an AMD EPYC (Zen 5), alternating: Q2_K 3.25–3.26 -> 3.02–3.09 ns a
-/// super-block, Q4_K 3.61–3.72 -> 3.44–3.52, Q3_K 4.49–4.58 -> 4.32–4.47, Q5_K 4.35–4.41 ->
+/// <format> 1024`), an AMD EPYC (Zen 5), alternating: Q2_K 3.20–3.27 -> 2.90–2.94 ns a
+/// super-block, Q4_K 3.61–3.72 -> 3.44–3.51, Q3_K 4.49 -> 4.32–4.34, Q5_K 4.35–4.41 ->
 /// 4.13–4.25, Q6_K 3.90–3.97 -> 3.65–3.76. Random 1.1B decode on one thread, alternating:
 /// Q2_K 60.4–61.4 -> 63.3–64.9 tok/s, Q3_K_M 51.6–52.8 -> 53.0–53.6, Q4_K_M even
 /// (54.1–55.6), its one thread held by memory more than by the loop.

@@ -345,7 +345,7 @@ fn act<const F: u8>(a: &Q8KRow, i: usize) -> Act {
 /// [`super::vnni`]'s tile takes them: Q2_K's times theirs (at most 3 · 15, so a word's
 /// product carries nothing between its bytes), Q3_K's times minus theirs (-128..=124; each
 /// byte's product the low byte of its word's), met by the activation bytes flipped to
-/// `127 - a`, with each lane's start at -127 times its values' sum.
+/// `127 - a`, with each lane's start at -127 times its values' sum (Q2_K's stays zero).
 #[inline]
 #[target_feature(enable = "avx2")]
 fn prescale<const F: u8>(u: &mut Unpacked) {
@@ -364,7 +364,9 @@ fn prescale<const F: u8>(u: &mut Unpacked) {
             sum = _mm256_add_epi32(sum, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
         }
     }
-    u.start = _mm256_sub_epi32(_mm256_setzero_si256(), sum);
+    if F == Q3 {
+        u.start = _mm256_sub_epi32(_mm256_setzero_si256(), sum);
+    }
 }
 
 /// The integer lanes of weight row `u` against super-block `i` of each activation row,
@@ -405,29 +407,26 @@ fn sumis_avx2<const F: u8, const VNNI: bool>(
             let mut acc = if half == 0 { u.start } else { *sumi };
             for k in 0..4 {
                 let y = load_q8(bytes, 32 * (4 * half + k));
-                if scaled {
+                // The `unsafe` blocks run only with `VNNI`, inlined into `on_tier`'s function
+                // with AVX-VNNI enabled (`tile_avx2_body` calls it so).
+                acc = if scaled && F == Q3 {
                     // The values already scaled ([`prescale`]); the unsigned factor first.
-                    // SAFETY: with `VNNI` this runs only inlined into `on_tier`'s function
-                    // with AVX-VNNI enabled (`tile_avx2_body` calls it so).
-                    acc = unsafe {
-                        if F == Q3 {
-                            _mm256_dpbusd_avx_epi32(acc, _mm256_xor_si256(y, flip), q[k])
-                        } else {
-                            _mm256_dpbusd_avx_epi32(acc, q[k], y)
-                        }
-                    };
-                    continue;
-                }
-                let mut p16 = _mm256_maddubs_epi16(q[k], y);
-                if F == Q3 {
-                    p16 = _mm256_sub_epi16(p16, _mm256_maddubs_epi16(four, y));
-                }
-                acc = if VNNI {
-                    // SAFETY: with `VNNI` this runs only inlined into `on_tier`'s function
-                    // with AVX-VNNI enabled (`tile_avx2_body` calls it so).
-                    unsafe { _mm256_dpwssd_avx_epi32(acc, s[k], p16) }
+                    // SAFETY: `scaled` implies `VNNI` (above).
+                    unsafe { _mm256_dpbusd_avx_epi32(acc, _mm256_xor_si256(y, flip), q[k]) }
+                } else if scaled {
+                    // SAFETY: as above.
+                    unsafe { _mm256_dpbusd_avx_epi32(acc, q[k], y) }
                 } else {
-                    _mm256_add_epi32(acc, _mm256_madd_epi16(s[k], p16))
+                    let mut p16 = _mm256_maddubs_epi16(q[k], y);
+                    if F == Q3 {
+                        p16 = _mm256_sub_epi16(p16, _mm256_maddubs_epi16(four, y));
+                    }
+                    if VNNI {
+                        // SAFETY: as above.
+                        unsafe { _mm256_dpwssd_avx_epi32(acc, s[k], p16) }
+                    } else {
+                        _mm256_add_epi32(acc, _mm256_madd_epi16(s[k], p16))
+                    }
                 };
             }
             *sumi = acc;

@@ -216,7 +216,9 @@ fn unpack<const F: u8>(b: &[u8], r: usize, pairs: &mut Pairs) {
                 sum = _mm512_dpbusd_epi32(sum, _mm512_set1_epi8(127), *w);
             }
         }
-        pairs.start[r] = _mm512_sub_epi32(_mm512_setzero_si512(), sum);
+        if F == Q3 {
+            pairs.start[r] = _mm512_sub_epi32(_mm512_setzero_si512(), sum);
+        }
     } else {
         let (scales, mins) = k4_scales_mins(b);
         k.extra = _mm256_zextsi128_si256(mins);

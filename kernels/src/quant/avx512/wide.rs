@@ -380,10 +380,11 @@ fn two_cells(cells: &[Lane32], at: usize) -> __m512i {
 /// pairs' eight lanes — weight row `k` against activation rows `2p` and `2p + 1` — so a
 /// block takes eight 512-bit integer dot products, conversions and fused multiply-adds
 /// where [`tile_avx512`] takes sixteen 256-bit ones, plus eight permutes that spread the
-/// scale products over the halves: 32 vector operations a block where there were 48, and
-/// on a Zen 5 (AMD EPYC, family 26) these four kinds together issue about two a cycle
-/// whatever their width. Each lane sees the same operations in the same block order, so
-/// the bits are [`tile_avx512`]'s. Zen 5, one thread, `cargo run --release -p
+/// scale products over the halves. On a Zen 5 (AMD EPYC, family 26) the integer dot
+/// products and the fused multiply-adds share two pipes, two a cycle whatever their width,
+/// and the conversions and permutes run beside them: sixteen operations a block on those
+/// pipes where there were 32. Each lane sees the same operations in the same block order,
+/// so the bits are [`tile_avx512`]'s. Zen 5, one thread, `cargo run --release -p
 /// ferrite-kernels --example matvec -- q8_0 2304 1 256`: 110–112 → 152–154 G
 /// multiply-adds/s (Q4_1 111–112 → 151–154, Q4_0 108 → 146, Q5_0 113 → 154, Q5_1 110 →
 /// 149); 1000-token prompts of the random 1.1B model in Q8_0, 2 threads, 164–170 → 201–202

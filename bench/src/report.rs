@@ -19,6 +19,11 @@ pub struct Machine {
     /// recorded before the tiers were.
     #[serde(default)]
     pub tiers: Vec<String>,
+    /// Whether the batch kernel of the 32-value formats runs 512-bit (`true`) or 256-bit
+    /// (`false`) on this CPU ([`ferrite_kernels::cpu::full_width_512`]); `None` without the
+    /// AVX-512 VNNI tier and in results recorded before this was.
+    #[serde(default)]
+    pub full_width_512: Option<bool>,
     /// Logical cores.
     pub cores: usize,
     /// Memory, GiB.
@@ -40,6 +45,7 @@ impl Machine {
         Self {
             cpu: ferrite_kernels::cpu::model_name(),
             tiers: tiers.into_iter().map(String::from).collect(),
+            full_width_512: ferrite_kernels::cpu::full_width_512(),
             cores: std::thread::available_parallelism().map_or(0, |n| n.get()),
             memory_gib: (kib / 1024.0 / 1024.0 * 10.0).round() / 10.0,
         }
@@ -52,8 +58,13 @@ impl Machine {
         } else {
             self.tiers.join(", ")
         };
+        let wide = match self.full_width_512 {
+            Some(true) => " (512-bit integer dot products at full width)",
+            Some(false) => " (512-bit integer dot products slower than 256-bit)",
+            None => "",
+        };
         format!(
-            "Machine: {}; Ferrite's kernel tiers: {tiers}; {} logical cores, {} GiB.",
+            "Machine: {}; Ferrite's kernel tiers: {tiers}{wide}; {} logical cores, {} GiB.",
             self.cpu, self.cores, self.memory_gib
         )
     }
@@ -268,9 +279,11 @@ mod tests {
         let this = Machine::this();
         assert_eq!(this.cpu, ferrite_kernels::cpu::model_name());
         assert_eq!(this.tiers, ferrite_kernels::cpu::detect().tiers());
+        assert_eq!(this.full_width_512, ferrite_kernels::cpu::full_width_512());
         let machine = Machine {
             cpu: "Intel(R) Xeon(R) Processor (family 6, model 207)".into(),
             tiers: vec!["portable".into(), "avx2".into(), "avx512".into()],
+            full_width_512: None,
             cores: 2,
             memory_gib: 23.5,
         };
@@ -278,6 +291,17 @@ mod tests {
             machine.header(),
             "Machine: Intel(R) Xeon(R) Processor (family 6, model 207); Ferrite's kernel tiers: \
              portable, avx2, avx512; 2 logical cores, 23.5 GiB."
+        );
+        let zen5 = Machine {
+            cpu: "AMD EPYC (family 26, model 2)".into(),
+            tiers: vec!["portable".into(), "avx512-vnni".into()],
+            full_width_512: Some(true),
+            ..machine
+        };
+        assert_eq!(
+            zen5.header(),
+            "Machine: AMD EPYC (family 26, model 2); Ferrite's kernel tiers: portable, \
+             avx512-vnni (512-bit integer dot products at full width); 2 logical cores, 23.5 GiB."
         );
         // Results recorded before the tiers were still load, and say so.
         let old: Machine = serde_json::from_str(

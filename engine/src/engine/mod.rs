@@ -337,8 +337,13 @@ impl EngineHandle {
             .into());
         }
         tracing::info!(
-            "kernel tiers: {}",
-            ferrite_kernels::cpu::detect().tiers().join(", ")
+            "kernel tiers: {}; 512-bit integer dot products: {}",
+            ferrite_kernels::cpu::detect().tiers().join(", "),
+            match ferrite_kernels::cpu::full_width_512() {
+                Some(true) => "full width",
+                Some(false) => "slower than 256-bit",
+                None => "not used",
+            }
         );
         if let Some(gpus) = visible_gpus() {
             tracing::warn!(

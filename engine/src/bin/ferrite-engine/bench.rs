@@ -154,6 +154,14 @@ pub fn run(args: &BenchArgs) -> Result<()> {
         "| kernel tiers | {} |",
         ferrite_kernels::cpu::detect().tiers().join(", ")
     );
+    println!(
+        "| 512-bit integer dot products | {} |",
+        match ferrite_kernels::cpu::full_width_512() {
+            Some(true) => "full width (the 32-value formats' batch tile pairs its accumulators)",
+            Some(false) => "slower than 256-bit (the 32-value formats' batch tile runs 256-bit)",
+            None => "not used (no AVX-512 VNNI tier)",
+        }
+    );
     println!("| threads | {} |", rayon::current_num_threads());
     println!(
         "| prompt processing ({} tokens) | {pp_best:.1} tok/s |",

@@ -60,7 +60,7 @@ impl Machine {
         };
         let wide = match self.full_width_512 {
             Some(true) => " (512-bit integer dot products at full width)",
-            Some(false) => " (512-bit integer dot products slower than 256-bit)",
+            Some(false) => " (512-bit integer dot products at half speed)",
             None => "",
         };
         format!(

@@ -69,10 +69,10 @@ pub fn detect() -> Features {
 /// How the batch kernel of the 32-value formats (Q4_0, Q4_1, Q8_0, Q5_0, Q5_1) runs on
 /// this CPU, for benchmark tables and the startup log: `Some(true)` where a 512-bit
 /// `vpdpbusd` runs as fast as a 256-bit one, so two (weight row, activation row) pairs share
-/// each register; `Some(false)` where 512-bit operations are split or slower, so each pair
-/// has a 256-bit register; `None` without the AVX-512 VNNI tier, which that kernel needs.
-/// Measured once per process (a few microseconds) at the first call here or in a product;
-/// it changes no result, only the time.
+/// each register; `Some(false)` where it runs at half speed (split in two, or on one port),
+/// so each pair has a 256-bit register; `None` without the AVX-512 VNNI tier, which that
+/// kernel needs. Measured once per process (a few microseconds) at the first call here or
+/// in a product; it changes no result, only the time.
 pub fn full_width_512() -> Option<bool> {
     #[cfg(target_arch = "x86_64")]
     {

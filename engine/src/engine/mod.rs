@@ -341,7 +341,7 @@ impl EngineHandle {
             ferrite_kernels::cpu::detect().tiers().join(", "),
             match ferrite_kernels::cpu::full_width_512() {
                 Some(true) => "full width",
-                Some(false) => "slower than 256-bit",
+                Some(false) => "at half speed",
                 None => "not used",
             }
         );

@@ -158,7 +158,7 @@ pub fn run(args: &BenchArgs) -> Result<()> {
         "| 512-bit integer dot products | {} |",
         match ferrite_kernels::cpu::full_width_512() {
             Some(true) => "full width (the 32-value formats' batch tile pairs its accumulators)",
-            Some(false) => "slower than 256-bit (the 32-value formats' batch tile runs 256-bit)",
+            Some(false) => "at half speed (the 32-value formats' batch tile runs 256-bit)",
             None => "not used (no AVX-512 VNNI tier)",
         }
     );

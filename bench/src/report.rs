@@ -58,11 +58,10 @@ impl Machine {
         } else {
             self.tiers.join(", ")
         };
-        let wide = match self.full_width_512 {
-            Some(true) => " (512-bit integer dot products at full width)",
-            Some(false) => " (512-bit integer dot products at half speed)",
-            None => "",
-        };
+        let wide = self.full_width_512.map_or(String::new(), |full| {
+            let words = ferrite_kernels::cpu::full_width_512_words(Some(full));
+            format!(" (512-bit integer dot products {words})")
+        });
         format!(
             "Machine: {}; Ferrite's kernel tiers: {tiers}{wide}; {} logical cores, {} GiB.",
             self.cpu, self.cores, self.memory_gib

@@ -76,10 +76,22 @@ pub fn detect() -> Features {
 pub fn full_width_512() -> Option<bool> {
     #[cfg(target_arch = "x86_64")]
     {
-        detect().avx512_vnni().map(crate::quant::full_width_512)
+        detect()
+            .avx512_vnni()
+            .map(crate::quant::avx512::wide::full_width)
     }
     #[cfg(not(target_arch = "x86_64"))]
     None
+}
+
+/// A [`full_width_512`] answer in the words benchmark tables, reports and the startup log
+/// print: "at full width", "at half speed", or "not used" (no AVX-512 VNNI tier).
+pub fn full_width_512_words(full: Option<bool>) -> &'static str {
+    match full {
+        Some(true) => "at full width",
+        Some(false) => "at half speed",
+        None => "not used",
+    }
 }
 
 /// This CPU's model name as `/proc/cpuinfo` gives it, with its family and model numbers

@@ -339,11 +339,7 @@ impl EngineHandle {
         tracing::info!(
             "kernel tiers: {}; 512-bit integer dot products: {}",
             ferrite_kernels::cpu::detect().tiers().join(", "),
-            match ferrite_kernels::cpu::full_width_512() {
-                Some(true) => "full width",
-                Some(false) => "at half speed",
-                None => "not used",
-            }
+            ferrite_kernels::cpu::full_width_512_words(ferrite_kernels::cpu::full_width_512())
         );
         if let Some(gpus) = visible_gpus() {
             tracing::warn!(

@@ -30,7 +30,7 @@ use crate::hugepages::HugePages;
 mod avx2;
 #[cfg(target_arch = "x86_64")]
 #[allow(unsafe_code)]
-mod avx512;
+pub(crate) mod avx512;
 pub mod float;
 pub mod kquant;
 #[cfg(target_arch = "aarch64")]
@@ -51,13 +51,6 @@ use portable::{dot_q4_0, dot_q4_1, dot_q8_0, nibbles, quantize_block, tile_porta
 
 /// Values per quantization block of the 32-value formats.
 pub const BLOCK: usize = 32;
-
-/// Whether the AVX-512 VNNI batch kernel pairs its accumulators on this CPU (see
-/// [`crate::cpu::full_width_512`]).
-#[cfg(target_arch = "x86_64")]
-pub(crate) fn full_width_512(cpu: cpu::Avx512Vnni) -> bool {
-    avx512::wide::full_width(cpu)
-}
 
 /// Grows (or shrinks) `store` to `len` values and a cache line more, and returns where in
 /// it `len` values start on a 64-byte line: there no vector load of a multiple of its own

@@ -156,11 +156,7 @@ pub fn run(args: &BenchArgs) -> Result<()> {
     );
     println!(
         "| 512-bit integer dot products | {} |",
-        match ferrite_kernels::cpu::full_width_512() {
-            Some(true) => "full width (the 32-value formats' batch tile pairs its accumulators)",
-            Some(false) => "at half speed (the 32-value formats' batch tile runs 256-bit)",
-            None => "not used (no AVX-512 VNNI tier)",
-        }
+        ferrite_kernels::cpu::full_width_512_words(ferrite_kernels::cpu::full_width_512())
     );
     println!("| threads | {} |", rayon::current_num_threads());
     println!(

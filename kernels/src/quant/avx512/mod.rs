@@ -5,7 +5,7 @@
 
 pub(super) mod bf16;
 pub(super) mod float;
-pub(super) mod wide;
+pub(crate) mod wide;
 
 use std::arch::x86_64::*;
 

@@ -208,6 +208,18 @@ pub(crate) struct WideActs {
     start: Vec<Lane32>,
     /// `[group][block]`: the four rows' scales, then their `d · Σq` sums (Q4_1).
     ds: Vec<[f32; 8]>,
+    /// Whether [`tile`] runs [`paired_avx512`] ([`full_width`]), decided once per product.
+    paired: bool,
+}
+
+/// One group of four activation rows' cells in [`WideActs`].
+struct Group<'a> {
+    /// `[block][row]`: the rows' bytes.
+    q: &'a [Lane32],
+    /// `[block][row]`: the integer sums' starts (empty with minimums).
+    start: &'a [Lane32],
+    /// `[block]`: the scales, then the `d · Σq` sums.
+    ds: &'a [[f32; 8]],
 }
 
 impl WideActs {
@@ -238,6 +250,7 @@ impl WideActs {
                 vec![Lane32::ZERO; cells]
             },
             ds: vec![[0.0; 8]; cells / 4],
+            paired: full_width(cpu),
         };
         for (n, a) in acts.iter().enumerate() {
             let (g, r) = (n / 4, n % 4);
@@ -266,6 +279,25 @@ impl WideActs {
     pub(crate) fn rows(&self) -> usize {
         self.rows
     }
+
+    /// Checks that these rows fit a tile of `nb`-block weight rows with `mins` into `out`.
+    fn check(&self, nb: usize, out: &[[f32; 4]], mins: bool) {
+        assert!(self.blocks == nb && out.len() == self.rows && self.mins == mins);
+        assert!(
+            self.q.len() == out.len().div_ceil(4) * 4 * nb && self.ds.len() * 4 == self.q.len()
+        );
+        assert!(mins || self.start.len() == self.q.len());
+    }
+
+    /// Group `g`'s cells.
+    fn group(&self, g: usize) -> Group<'_> {
+        let (nb, cells) = (self.blocks, 4 * g * self.blocks..4 * (g + 1) * self.blocks);
+        Group {
+            q: &self.q[cells.clone()],
+            start: if self.mins { &[] } else { &self.start[cells] },
+            ds: &self.ds[g * nb..(g + 1) * nb],
+        }
+    }
 }
 
 /// Fills `out.start` with minus `2^shift` times each four activation values' sum.
@@ -285,11 +317,12 @@ fn starts(out: &mut WideActs, shift: u32) {
 
 /// `out[i]`: the four weight rows of `quad` against activation row `i` of `acts`; exactly
 /// the arithmetic of the row-at-a-time dot products. Where this CPU runs 512-bit integer
-/// dot products as fast as 256-bit ones ([`full_width`]), two (weight row, activation
-/// row) pairs share each register ([`paired_avx512`]); elsewhere each pair has a 256-bit
-/// register of its own ([`tile_avx512`]). The two give the same bits.
+/// dot products as fast as 256-bit ones ([`full_width`], asked once per product by
+/// [`WideActs::new`]), two (weight row, activation row) pairs share each register
+/// ([`paired_avx512`]); elsewhere each pair has a 256-bit register of its own
+/// ([`tile_avx512`]). The two give the same bits.
 pub(crate) fn tile(cpu: Avx512Vnni, quad: &mut WideQuad, acts: &WideActs, out: &mut [[f32; 4]]) {
-    tile_as(cpu, full_width(cpu), quad, acts, out);
+    tile_as(cpu, acts.paired, quad, acts, out);
 }
 
 /// [`tile`] with the kernel chosen by `paired`.
@@ -392,11 +425,7 @@ fn two_cells(cells: &[Lane32], at: usize) -> __m512i {
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma")]
 fn paired_avx512<const MINS: bool>(quad: &WideQuad, acts: &WideActs, out: &mut [[f32; 4]]) {
     let quad = &quad.blocks;
-    let nb = quad.len();
-    assert!(acts.blocks == nb && out.len() == acts.rows && acts.mins == MINS);
-    assert!(acts.q.len() == out.len().div_ceil(4) * 4 * nb && acts.ds.len() * 4 == acts.q.len());
-    assert!(MINS || acts.start.len() == acts.q.len());
-    let by_row = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+    acts.check(quad.len(), out, MINS);
     // `pick[k][p]`: lane 4k + 2p of the scale products in the low eight lanes, lane
     // 4k + 2p + 1 in the high eight.
     let pick: [[__m512i; 2]; 4] = std::array::from_fn(|k| {
@@ -406,25 +435,22 @@ fn paired_avx512<const MINS: bool>(quad: &WideQuad, acts: &WideActs, out: &mut [
         })
     });
     for (g, outs) in out.chunks_mut(4).enumerate() {
-        let cells = 4 * g * nb..4 * (g + 1) * nb;
-        let group_q = &acts.q[cells.clone()];
-        let group_start = if MINS { &[][..] } else { &acts.start[cells] };
-        let group_ds = &acts.ds[g * nb..(g + 1) * nb];
+        let group = acts.group(g);
         let mut summs = _mm512_setzero_ps();
         // `acc[k][p]`: weight row k against activation rows 2p (low half), 2p + 1 (high).
         let mut acc = [[_mm512_setzero_ps(); 2]; 4];
-        for (i, (w, ds)) in quad.iter().zip(group_ds).enumerate() {
+        for (i, (w, ds)) in quad.iter().zip(group.ds).enumerate() {
             if MINS {
                 summs = _mm512_fmadd_ps(w.mins.ps(), four_times(&ds[4..]), summs);
             }
             // Lane 4k + r: weight row k's scale times activation row r's, as [`tile`] has.
             let products = _mm512_mul_ps(w.scales.ps(), four_times(ds));
-            let y = [0, 1].map(|p| two_cells(group_q, 4 * i + 2 * p));
+            let y = [0, 1].map(|p| two_cells(group.q, 4 * i + 2 * p));
             let from = [0, 1].map(|p| {
                 if MINS {
                     _mm512_setzero_si512()
                 } else {
-                    two_cells(group_start, 4 * i + 2 * p)
+                    two_cells(group.start, 4 * i + 2 * p)
                 }
             });
             for (k, (row, pick)) in acc.iter_mut().zip(&pick).enumerate() {
@@ -446,16 +472,18 @@ fn paired_avx512<const MINS: bool>(quad: &WideQuad, acts: &WideActs, out: &mut [
             })
         };
         let acc = acc.map(|row| [0, 1, 2, 3].map(|r| half(row[r / 2], r % 2 == 1)));
-        let rows = _mm512_permutexvar_ps(by_row, _mm512_add_ps(finish(acc), summs));
-        store_outs(rows, outs);
+        store_group(finish(acc), summs, outs);
     }
 }
 
-/// A group's sixteen results (lane `4r + k`: activation row `r`, weight row `k`) into its
-/// one to four rows of outputs.
+/// A group's sixteen sums (lane `4k + r`: weight row `k`, activation row `r`) plus its
+/// `m · s` terms `summs`, into its one to four rows of outputs.
 #[inline]
 #[target_feature(enable = "avx512f")]
-fn store_outs(rows: __m512, outs: &mut [[f32; 4]]) {
+fn store_group(sums: __m512, summs: __m512, outs: &mut [[f32; 4]]) {
+    // Lane 4k + r (weight row k, activation row r) to lane 4r + k.
+    let by_row = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+    let rows = _mm512_permutexvar_ps(by_row, _mm512_add_ps(sums, summs));
     if outs.len() == 4 {
         // SAFETY: four rows of four f32 are exactly sixteen contiguous f32; the store is
         // unaligned. (A whole group is stored straight, not through a library copy.)
@@ -483,20 +511,12 @@ fn tile_avx512<const MINS: bool>(quad: &mut WideQuad, acts: &WideActs, out: &mut
         blocks: quad,
         products,
     } = quad;
-    let nb = quad.len();
-    assert!(acts.blocks == nb && out.len() == acts.rows && acts.mins == MINS);
-    assert!(acts.q.len() == out.len().div_ceil(4) * 4 * nb && acts.ds.len() * 4 == acts.q.len());
-    assert!(MINS || acts.start.len() == acts.q.len());
-    products.resize(nb, Lane64::ZERO);
-    // Lane 4k + r (weight row k, activation row r) to lane 4r + k.
-    let by_row = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+    acts.check(quad.len(), out, MINS);
+    products.resize(quad.len(), Lane64::ZERO);
     for (g, outs) in out.chunks_mut(4).enumerate() {
-        let cells = 4 * g * nb..4 * (g + 1) * nb;
-        let group_q = &acts.q[cells.clone()];
-        let group_start = if MINS { &[][..] } else { &acts.start[cells] };
-        let group_ds = &acts.ds[g * nb..(g + 1) * nb];
+        let group = acts.group(g);
         // First the scale products, so the main loop takes each from memory.
-        for ((p, w), ds) in products.iter_mut().zip(quad.iter()).zip(group_ds) {
+        for ((p, w), ds) in products.iter_mut().zip(quad.iter()).zip(group.ds) {
             let product = _mm512_mul_ps(w.scales.ps(), four_times(ds));
             // SAFETY: each `Lane64` is 64 bytes aligned to 64: an aligned store.
             unsafe { _mm512_store_ps(p.0.as_mut_ptr().cast(), product) };
@@ -504,16 +524,16 @@ fn tile_avx512<const MINS: bool>(quad: &mut WideQuad, acts: &WideActs, out: &mut
         let mut summs = _mm512_setzero_ps();
         // `acc[k][r]`: weight row k against activation row r, eight lanes.
         let mut acc = [[_mm256_setzero_ps(); 4]; 4];
-        for (i, ((w, ds), scales)) in quad.iter().zip(group_ds).zip(products.iter()).enumerate() {
+        for (i, ((w, ds), scales)) in quad.iter().zip(group.ds).zip(products.iter()).enumerate() {
             if MINS {
                 summs = _mm512_fmadd_ps(w.mins.ps(), four_times(&ds[4..]), summs);
             }
-            let y = [0, 1, 2, 3].map(|r| group_q[4 * i + r].si());
+            let y = [0, 1, 2, 3].map(|r| group.q[4 * i + r].si());
             let from = [0, 1, 2, 3].map(|r| {
                 if MINS {
                     _mm256_setzero_si256()
                 } else {
-                    group_start[4 * i + r].si()
+                    group.start[4 * i + r].si()
                 }
             });
             // Weight row by weight row: each row's block meets the four activation rows in
@@ -527,8 +547,7 @@ fn tile_avx512<const MINS: bool>(quad: &mut WideQuad, acts: &WideActs, out: &mut
                 }
             }
         }
-        let rows = _mm512_permutexvar_ps(by_row, _mm512_add_ps(finish(acc), summs));
-        store_outs(rows, outs);
+        store_group(finish(acc), summs, outs);
     }
 }
 
@@ -628,11 +647,11 @@ mod tests {
                 let mut out = vec![[0f32; 4]; n];
                 tile(cpu, &mut quad, &wide, &mut out);
                 let mut paired = vec![[0f32; 4]; n];
-                tile_as(cpu, !full_width(cpu), &mut quad, &wide, &mut paired);
+                tile_as(cpu, !wide.paired, &mut quad, &wide, &mut paired);
                 for (i, ((o, p), a)) in out.iter().zip(&paired).zip(&acts).enumerate() {
                     let want = w.map(|row| dot(row, a).to_bits());
                     assert_eq!(o.map(f32::to_bits), want, "{format:?}, {n} rows, row {i}");
-                    let other = if full_width(cpu) { "256-bit" } else { "paired" };
+                    let other = if wide.paired { "256-bit" } else { "paired" };
                     assert_eq!(
                         p.map(f32::to_bits),
                         want,

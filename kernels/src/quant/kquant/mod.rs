@@ -47,6 +47,14 @@ const Q5: u8 = 3;
 #[cfg(any(target_arch = "x86_64", target_arch = "aarch64"))]
 const Q6: u8 = 4;
 
+/// Whether format `f`'s values times their scales fit a byte (Q2_K's 0–3 times 0–15, Q3_K's
+/// -4–3 times -32–31 once negated), so the `vpdpbusd` tiles take its values already scaled
+/// and need no scale vectors ([`vnni`]'s AVX-512 tile, [`tile`]'s AVX-VNNI one).
+#[cfg(target_arch = "x86_64")]
+const fn scales_in_values(f: u8) -> bool {
+    f == Q2 || f == Q3
+}
+
 /// The format a vector kernel's const parameter names.
 #[cfg(any(target_arch = "x86_64", target_arch = "aarch64"))]
 const fn format(f: u8) -> KFormat {

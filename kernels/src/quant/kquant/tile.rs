@@ -19,7 +19,7 @@ use super::avx2::{
     broadcast_i16, bsums, hsum, k4_scales_mins, k4_values, load32, load_q8, q2k_scales_mins,
     q2k_values, q3k_scales, q3k_values, q6k_values, scale_halves, split_i16, split_i8, sums32,
 };
-use super::{f16_at, format, KFormat, KTile, Q8KRow, Q2, Q3, Q4, Q5, Q6, QK_K};
+use super::{f16_at, format, scales_in_values, KFormat, KTile, Q8KRow, Q2, Q3, Q4, Q5, Q6, QK_K};
 use crate::cpu::Features;
 use crate::quant::avx2::on_tier;
 use crate::quant::portable::hsum8;
@@ -398,7 +398,7 @@ fn sumis_avx2<const F: u8, const VNNI: bool>(
     sumis: &mut [__m256i],
 ) {
     let (four, flip) = (_mm256_set1_epi8(4), _mm256_set1_epi8(0x7F));
-    let scaled = VNNI && (F == Q2 || F == Q3);
+    let scaled = VNNI && scales_in_values(F);
     for half in 0..2 {
         let q: [__m256i; 4] = std::array::from_fn(|k| u.q[4 * half + k]);
         let s: [__m256i; 4] = std::array::from_fn(|k| u.s[4 * half + k]);
@@ -521,7 +521,7 @@ unsafe fn tile_avx2_body<const F: u8, const VNNI: bool>(
             for ((u, w), sumis) in u.iter_mut().zip(rows).zip(sumis.iter_mut()) {
                 let b = &w[i * bytes..(i + 1) * bytes];
                 unpack::<F>(b, &mut u.q, &mut u.s, (1, 0), &mut u.k);
-                if VNNI && (F == Q2 || F == Q3) {
+                if VNNI && scales_in_values(F) {
                     prescale::<F>(u);
                 }
                 // SAFETY: the caller guarantees the AVX2 tier (AVX2, FMA, F16C) and, with

@@ -34,7 +34,7 @@ use super::avx2::{
     q6k_values,
 };
 use super::tile::{finish_quads, no_scalars, quad_float_step, Floats, QuadAcc, Scalars, GROUP};
-use super::{f16_at, format, KFormat, Q8KRow, Q2, Q3, Q4, Q5, Q6, QK_K};
+use super::{f16_at, format, scales_in_values, KFormat, Q8KRow, Q2, Q3, Q4, Q5, Q6, QK_K};
 
 /// Where weight row `r`'s ggml lane `l` lies in the tile's accumulators (two vectors of
 /// sixteen lanes, rows 0 and 1 in the first).
@@ -255,7 +255,7 @@ fn constants<const F: u8>(pairs: &mut Pairs) {
             _mm512_castsi256_si512(pairs.scales[2 * h]),
             pairs.scales[2 * h + 1],
         );
-        if F != Q2 && F != Q3 {
+        if !scales_in_values(F) {
             for (s, idx) in pairs.s[h].iter_mut().zip(table) {
                 *s = _mm512_permutexvar_epi16(words(idx), both);
             }
@@ -293,7 +293,7 @@ fn quad_sumi<const F: u8>(
     states: &mut [QuadAcc],
     then: impl Fn(&Q8KRow, &mut QuadAcc, [__m512i; 2]),
 ) {
-    if F == Q2 || F == Q3 {
+    if scales_in_values(F) {
         return scaled_sumi::<F>(pairs, acts, i, states, then);
     }
     let w = pairs.w;

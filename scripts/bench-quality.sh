@@ -37,12 +37,12 @@ echo "| weights | Ferrite, --quantization at load | Ferrite, the file | llama.cp
 echo "|---|---|---|---|---|"
 row "F16 (unquantized)" "—" "$F16"
 row "Q4_1 (the file as published)" "—" "$MODEL"
-for q in Q8_0 Q6_K Q4_K Q4_0; do
+for q in Q8_0 Q6_K Q5_K Q5_1 Q5_0 Q4_K Q4_1 Q4_0 Q3_K Q2_K; do
   FILE="$OUT/smollm2-pure-$q.gguf"
   [ -f "$FILE" ] || "$LLAMA_BIN/llama-quantize" --pure "$F16" "$FILE" "$q" > "$OUT/quantize-$q.log" 2>&1
   row "$q (llama-quantize --pure)" "$(ours "$F16" --quantization "$(echo "$q" | tr 'A-Z' 'a-z')")" "$FILE"
 done
 echo
 echo "Perplexity on bench/data/declaration.txt, windows of 512 tokens, second halves scored."
-echo "Q6_K and Q4_K fall back to Q8_0 and Q5_0 for the matrices whose rows (576 values) are"
-echo "not whole 256-value blocks, in both quantizers."
+echo "The K-quants fall back for the matrices whose rows (576 values) are not whole 256-value"
+echo "blocks, in both quantizers: Q6_K to Q8_0, Q5_K to Q5_1, Q4_K to Q5_0, Q3_K and Q2_K to Q4_0."

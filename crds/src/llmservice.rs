@@ -228,9 +228,28 @@ pub enum Quantization {
     /// 4-bit blocks of 32 with an f16 scale (Q4_0).
     #[serde(rename = "q4_0")]
     Q4_0,
+    /// 4-bit blocks of 32 with an f16 scale and minimum (Q4_1).
+    #[serde(rename = "q4_1")]
+    Q4_1,
+    /// 5-bit blocks of 32 with an f16 scale (Q5_0).
+    #[serde(rename = "q5_0")]
+    Q5_0,
+    /// 5-bit blocks of 32 with an f16 scale and minimum (Q5_1).
+    #[serde(rename = "q5_1")]
+    Q5_1,
+    /// 2-bit super-blocks of 256 with 4-bit scales and minimums (Q2_K): smallest, least
+    /// faithful.
+    #[serde(rename = "q2_k")]
+    Q2K,
+    /// 3-bit super-blocks of 256 with 6-bit scales (Q3_K).
+    #[serde(rename = "q3_k")]
+    Q3K,
     /// 4-bit super-blocks of 256 with 6-bit scales and minimums (Q4_K).
     #[serde(rename = "q4_k")]
     Q4K,
+    /// 5-bit super-blocks of 256 with 6-bit scales and minimums (Q5_K).
+    #[serde(rename = "q5_k")]
+    Q5K,
     /// 6-bit super-blocks of 256 (Q6_K).
     #[serde(rename = "q6_k")]
     Q6K,
@@ -242,7 +261,13 @@ impl Quantization {
         match self {
             Quantization::Q8_0 => "q8_0",
             Quantization::Q4_0 => "q4_0",
+            Quantization::Q4_1 => "q4_1",
+            Quantization::Q5_0 => "q5_0",
+            Quantization::Q5_1 => "q5_1",
+            Quantization::Q2K => "q2_k",
+            Quantization::Q3K => "q3_k",
             Quantization::Q4K => "q4_k",
+            Quantization::Q5K => "q5_k",
             Quantization::Q6K => "q6_k",
         }
     }

@@ -51,11 +51,11 @@ fn out_of_range_flags_are_refused_naming_the_flag_and_its_range() {
         (
             &["--prompt", "hi", "--quantization", "fp8"],
             "--quantization fp8: fp8 is a GPU quantization method and this engine computes on \
-             CPU; quantize at load to one of q8_0, q4_0, q4_k, q6_k",
+             CPU; quantize at load to one of q8_0, q4_0, q4_1, q5_0, q5_1, q2_k, q3_k, q4_k, q5_k, q6_k",
         ),
         (
             &["--prompt", "hi", "--quantization", "q3"],
-            "--quantization q3: unknown method; expected one of q8_0, q4_0, q4_k, q6_k",
+            "--quantization q3: unknown method; expected one of q8_0, q4_0, q4_1, q5_0, q5_1, q2_k, q3_k, q4_k, q5_k, q6_k",
         ),
     ];
     for (args, want) in cases {

@@ -9,10 +9,13 @@ mod common;
 use std::collections::HashMap;
 use std::path::Path;
 
-use candle_core::quantized::gguf_file;
+use candle_core::quantized::{gguf_file, GgmlDType};
 use candle_core::{DType, Device, Tensor};
 use ferrite_engine::model::llama::Llama;
-use ferrite_engine::model::{load_model, load_model_with, parse_quantization, LoadOptions};
+use ferrite_engine::model::{
+    load_model, load_model_with, parse_quantization, LoadOptions, QUANTIZATIONS,
+};
+use ferrite_kernels::quant::{quantize, KFormat, WeightFormat};
 
 const IDS: [u32; 12] = [10, 20, 30, 40, 50, 104, 101, 108, 108, 111, 32, 119];
 
@@ -205,5 +208,124 @@ fn an_hf_checkpoint_quantized_at_load_holds_the_blocks_llama_quantize_writes() {
             4 * c.num_layers + 1,
             "{name}: every product compared"
         );
+    }
+}
+
+/// The block format of a GGUF tensor type, where `--quantization` writes it.
+fn quantizable(dtype: GgmlDType) -> Option<WeightFormat> {
+    let k = |f| Some(WeightFormat::K(f));
+    match dtype {
+        GgmlDType::Q8_0 => Some(WeightFormat::Q8_0),
+        GgmlDType::Q4_0 => Some(WeightFormat::Q4_0),
+        GgmlDType::Q4_1 => Some(WeightFormat::Q4_1),
+        GgmlDType::Q5_0 => Some(WeightFormat::Q5_0),
+        GgmlDType::Q5_1 => Some(WeightFormat::Q5_1),
+        GgmlDType::Q2K => k(KFormat::Q2K),
+        GgmlDType::Q3K => k(KFormat::Q3K),
+        GgmlDType::Q4K => k(KFormat::Q4K),
+        GgmlDType::Q5K => k(KFormat::Q5K),
+        GgmlDType::Q6K => k(KFormat::Q6K),
+        _ => None,
+    }
+}
+
+#[test]
+fn every_matrix_llama_quantize_wrote_is_what_quantizing_at_load_writes() {
+    // llama-quantize's files of the tiny F16 model: every matrix in one format (`--pure`), or
+    // one matrix in each format `--quantization` knows (`--tensor-type`). Every matrix must
+    // be, byte for byte, what the quantizer `--quantization` runs writes from the F16 values.
+    let f16_path = common::fixture("tiny/tiny-F16.gguf");
+    let mut f16_file = std::fs::File::open(&f16_path).expect("opens");
+    let f16 = gguf_file::Content::read(&mut f16_file).expect("GGUF");
+    let mut checked = std::collections::BTreeSet::new();
+    for file in [
+        "tiny-F16-every-format",
+        "tiny-F16-pure-Q8_0",
+        "tiny-F16-pure-Q4_K",
+    ] {
+        let path = common::fixture(&format!("tiny/{file}.gguf"));
+        let mut theirs_file = std::fs::File::open(&path).expect("opens");
+        let theirs = gguf_file::Content::read(&mut theirs_file).expect("GGUF");
+        for (name, info) in &theirs.tensor_infos {
+            let Some(format) = quantizable(info.ggml_dtype) else {
+                continue;
+            };
+            let want = theirs
+                .tensor(&mut theirs_file, name, &Device::Cpu)
+                .and_then(|q| q.data().map(|d| d.into_owned()))
+                .expect("their bytes");
+            let values: Vec<f32> = f16
+                .tensor(&mut f16_file, name, &Device::Cpu)
+                .and_then(|q| q.dequantize(&Device::Cpu))
+                .and_then(|t| t.flatten_all())
+                .and_then(|t| t.to_vec1())
+                .expect("the F16 values");
+            let got = quantize::quantize_row(format, &values).expect("a quantizer");
+            assert!(got == want, "{file}: {name} ({format:?}) differs");
+            checked.insert(format!("{format:?}"));
+        }
+    }
+    for format in quantize::QUANTIZABLE.map(|f| format!("{f:?}")) {
+        assert!(checked.contains(&format), "no {format} matrix compared");
+    }
+}
+
+#[test]
+fn every_quantization_value_loads_the_model_smaller_and_runs_it() {
+    let path = common::fixture("tiny/tiny-F16.gguf");
+    let floats = load_model(&path, &Device::Cpu).expect("loads");
+    for (name, _) in QUANTIZATIONS {
+        let model = quantized(&path, name);
+        assert!(
+            model.resident_weight_bytes() < floats.resident_weight_bytes(),
+            "{name}: quantized matrices take fewer bytes"
+        );
+        let rows = logits(&model);
+        assert!(
+            rows.iter().flatten().all(|v| v.is_finite()),
+            "{name}: finite logits"
+        );
+    }
+}
+
+/// The values of the first `quantization` property's `enum` under `node`.
+fn quantization_enum(node: &serde_yaml::Value) -> Option<Vec<String>> {
+    match node {
+        serde_yaml::Value::Mapping(map) => {
+            if let Some(values) = map
+                .get("quantization")
+                .and_then(|q| q.get("enum"))
+                .and_then(|e| e.as_sequence())
+            {
+                return Some(
+                    values
+                        .iter()
+                        .filter_map(|v| v.as_str().map(str::to_owned))
+                        .collect(),
+                );
+            }
+            map.values().find_map(quantization_enum)
+        }
+        serde_yaml::Value::Sequence(items) => items.iter().find_map(quantization_enum),
+        _ => None,
+    }
+}
+
+#[test]
+fn the_llmservice_quantization_values_are_the_engines() {
+    // `spec.engine.quantization` reaches the engine as `--quantization`: every value the API
+    // server accepts must be one the engine quantizes to, and every one it quantizes to
+    // accepted.
+    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../crds/llmservice.yaml");
+    let crd: serde_yaml::Value =
+        serde_yaml::from_str(&std::fs::read_to_string(path).expect("the CRD")).expect("YAML");
+    let accepted = quantization_enum(&crd).expect("spec.engine.quantization's enum");
+    let names: Vec<String> = QUANTIZATIONS.iter().map(|(n, _)| n.to_string()).collect();
+    assert_eq!(accepted, names);
+    for name in names {
+        let value: ferrite_crds::llmservice::Quantization =
+            serde_yaml::from_str(&name).expect("a CRD value");
+        assert_eq!(value.flag_value(), name);
+        assert!(parse_quantization(value.flag_value()).is_ok(), "{name}");
     }
 }

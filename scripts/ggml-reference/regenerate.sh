@@ -45,4 +45,13 @@ echo "$CASES" | "$PY" -m json.tool --indent 1 > "$ROOT/tests/fixtures/tiny-llama
 for q in Q8_0 Q4_K; do
   "$LLAMA_DIR/build/bin/llama-quantize" --pure "$FIX/tiny-F16.gguf" "$FIX/tiny-F16-pure-$q.gguf" "$q" > /dev/null 2>&1
 done
+# One matrix of the F16 model in each format --quantization writes (Q4_0 the rest): what its
+# quantizers must reproduce byte for byte.
+"$LLAMA_DIR/build/bin/llama-quantize" --pure \
+  --tensor-type 'blk\.0\.attn_q=q2_k' --tensor-type 'blk\.0\.attn_k=q3_k' \
+  --tensor-type 'blk\.0\.attn_v=q4_1' --tensor-type 'blk\.0\.attn_output=q5_0' \
+  --tensor-type 'blk\.0\.ffn_gate=q5_1' --tensor-type 'blk\.0\.ffn_up=q5_k' \
+  --tensor-type 'blk\.0\.ffn_down=q6_k' --tensor-type 'blk\.1\.attn_q=q8_0' \
+  --tensor-type 'blk\.1\.attn_k=q4_k' --output-tensor-type q6_k --token-embedding-type q3_k \
+  "$FIX/tiny-F16.gguf" "$FIX/tiny-F16-every-format.gguf" Q4_0 > /dev/null 2>&1
 echo "wrote tests/fixtures/tiny/*.gguf and tests/fixtures/tiny-llamacpp-greedy.json"

@@ -50,10 +50,16 @@ pub struct LoadOptions {
 }
 
 /// `--quantization` names and the formats they quantize to, in the order they are listed.
-pub const QUANTIZATIONS: [(&str, WeightFormat); 4] = [
+pub const QUANTIZATIONS: [(&str, WeightFormat); 10] = [
     ("q8_0", WeightFormat::Q8_0),
     ("q4_0", WeightFormat::Q4_0),
+    ("q4_1", WeightFormat::Q4_1),
+    ("q5_0", WeightFormat::Q5_0),
+    ("q5_1", WeightFormat::Q5_1),
+    ("q2_k", WeightFormat::K(KFormat::Q2K)),
+    ("q3_k", WeightFormat::K(KFormat::Q3K)),
     ("q4_k", WeightFormat::K(KFormat::Q4K)),
+    ("q5_k", WeightFormat::K(KFormat::Q5K)),
     ("q6_k", WeightFormat::K(KFormat::Q6K)),
 ];
 

@@ -854,25 +854,41 @@ fn two_rows_at_once_give_each_row_its_one_row_dot_product() {
 
 #[test]
 fn weights_quantized_at_load_are_the_blocks_llama_cpp_writes() {
-    for (format, name) in [
+    let names = [
         (WeightFormat::Q8_0, "q8_0"),
         (WeightFormat::Q4_0, "q4_0"),
+        (WeightFormat::Q4_1, "q4_1"),
         (WeightFormat::Q5_0, "q5_0"),
+        (WeightFormat::Q5_1, "q5_1"),
+        (WeightFormat::K(KFormat::Q2K), "q2_K"),
+        (WeightFormat::K(KFormat::Q3K), "q3_K"),
         (WeightFormat::K(KFormat::Q4K), "q4_K"),
+        (WeightFormat::K(KFormat::Q5K), "q5_K"),
         (WeightFormat::K(KFormat::Q6K), "q6_K"),
-    ] {
-        assert!(quantize::QUANTIZABLE.contains(&format));
+    ];
+    assert_eq!(names.map(|(f, _)| f), quantize::QUANTIZABLE);
+    for (format, name) in names {
         for (r, row) in ggml::rows(name).iter().enumerate() {
             let got = quantize::quantize_row(format, &row.w).expect("a quantizer");
             assert_eq!(got, row.weights, "{name} row {r}");
         }
     }
-    assert_eq!(quantize::quantize_row(WeightFormat::Q5_1, &[0.0; 32]), None);
+    let f16 = WeightFormat::Float(FloatFormat::F16);
+    assert_eq!(quantize::quantize_row(f16, &[0.0; 32]), None);
     // llama-quantize's fallbacks for rows the asked-for blocks do not fit.
-    let q4k = WeightFormat::K(KFormat::Q4K);
-    let q6k = WeightFormat::K(KFormat::Q6K);
+    let [q2k, q3k, q4k, q5k, q6k] = [
+        KFormat::Q2K,
+        KFormat::Q3K,
+        KFormat::Q4K,
+        KFormat::Q5K,
+        KFormat::Q6K,
+    ]
+    .map(WeightFormat::K);
     assert_eq!(quantize::format_for(q4k, 512), Some(q4k));
+    assert_eq!(quantize::format_for(q2k, 576), Some(WeightFormat::Q4_0));
+    assert_eq!(quantize::format_for(q3k, 576), Some(WeightFormat::Q4_0));
     assert_eq!(quantize::format_for(q4k, 576), Some(WeightFormat::Q5_0));
+    assert_eq!(quantize::format_for(q5k, 576), Some(WeightFormat::Q5_1));
     assert_eq!(quantize::format_for(q6k, 576), Some(WeightFormat::Q8_0));
     assert_eq!(quantize::format_for(q4k, 100), None);
     assert_eq!(quantize::format_for(WeightFormat::Q8_0, 100), None);

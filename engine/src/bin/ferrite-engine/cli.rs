@@ -207,9 +207,9 @@ pub struct ModelArgs {
 /// How the weights are held in memory.
 #[derive(Debug, Args)]
 pub struct LoadArgs {
-    /// Quantize the checkpoint's floating-point matrices while loading: q8_0, q4_0, q4_k or
-    /// q6_k (llama.cpp's block formats, with llama.cpp's quantizers); matrices a GGUF file
-    /// stores quantized are kept as they are. vLLM's GPU methods (fp8, awq, gptq, ...) are
+    /// Quantize the checkpoint's floating-point matrices while loading: q8_0, q4_0, q4_1,
+    /// q5_0, q5_1, q2_k, q3_k, q4_k, q5_k or q6_k (llama.cpp's block formats, with llama.cpp's
+    /// quantizers); matrices a GGUF file stores quantized are kept as they are. vLLM's GPU methods (fp8, awq, gptq, ...) are
     /// refused.
     #[arg(long, env = "FERRITE_QUANTIZATION", value_parser = ferrite_engine::model::parse_quantization)]
     pub quantization: Option<WeightFormat>,

@@ -3,7 +3,8 @@
 # llama.cpp's quantizer on the same weights. The default model ships only in Q4_1, so the
 # unquantized model here is that model decoded to F16 (llama-quantize --allow-requantize,
 # exact: every Q4_1 value is an f16); each format is then made twice from that F16 file —
-# by `ferrite-engine --quantization` while loading, and by `llama-quantize --pure` — and
+# by `ferrite-engine --quantization` while loading, and by `llama-quantize --pure` (for the
+# K-quant mixes, llama-quantize without --pure) — and
 # scored on the Declaration of Independence (bench/data/declaration.txt, public domain) in
 # windows of 512 tokens, as llama.cpp's llama-perplexity scores them, which runs on the same
 # files for comparison.
@@ -41,6 +42,12 @@ for q in Q8_0 Q6_K Q5_K Q5_1 Q5_0 Q4_K Q4_1 Q4_0 Q3_K Q2_K; do
   FILE="$OUT/smollm2-pure-$q.gguf"
   [ -f "$FILE" ] || "$LLAMA_BIN/llama-quantize" --pure "$F16" "$FILE" "$q" > "$OUT/quantize-$q.log" 2>&1
   row "$q (llama-quantize --pure)" "$(ours "$F16" --quantization "$(echo "$q" | tr 'A-Z' 'a-z')")" "$FILE"
+done
+# llama.cpp's K-quant mixes: each matrix in the format llama-quantize chooses for it.
+for q in Q3_K_M Q4_K_M Q5_K_M; do
+  FILE="$OUT/smollm2-$q.gguf"
+  [ -f "$FILE" ] || "$LLAMA_BIN/llama-quantize" "$F16" "$FILE" "$q" > "$OUT/quantize-$q.log" 2>&1
+  row "$q (llama-quantize)" "$(ours "$F16" --quantization "$(echo "$q" | tr 'A-Z' 'a-z')")" "$FILE"
 done
 echo
 echo "Perplexity on bench/data/declaration.txt, windows of 512 tokens, second halves scored."

@@ -210,7 +210,8 @@ pub struct EngineSpec {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub enable_prefix_caching: Option<bool>,
     /// Quantize the checkpoint's floating-point weights while loading (`--quantization`),
-    /// to one of llama.cpp's block formats; weights a GGUF file stores quantized are kept.
+    /// to one of llama.cpp's block formats or K-quant mixes; weights a GGUF file stores
+    /// quantized are kept.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub quantization: Option<Quantization>,
     /// Further engine flags, appended verbatim.
@@ -218,8 +219,9 @@ pub struct EngineSpec {
     pub extra_args: Vec<String>,
 }
 
-/// Quantize the checkpoint's floating-point weights while loading (`--quantization`) to
-/// one of llama.cpp's block formats; weights a GGUF file stores quantized are kept.
+/// Quantize the checkpoint's floating-point weights while loading (`--quantization`): every
+/// matrix to one of llama.cpp's block formats, or each to the format one of its K-quant
+/// mixes chooses for it; weights a GGUF file stores quantized are kept.
 #[derive(Deserialize, Serialize, Clone, Copy, Debug, PartialEq, Eq, JsonSchema)]
 pub enum Quantization {
     /// 8-bit blocks of 32 with an f16 scale (llama.cpp's Q8_0): closest to the original.
@@ -253,6 +255,29 @@ pub enum Quantization {
     /// 6-bit super-blocks of 256 (Q6_K).
     #[serde(rename = "q6_k")]
     Q6K,
+    /// llama.cpp's Q3_K_S mix: Q3_K, the output projection Q6_K.
+    #[serde(rename = "q3_k_s")]
+    Q3KS,
+    /// llama.cpp's Q3_K_M mix: Q3_K, with Q4_K and Q5_K where quantizing costs most.
+    #[serde(rename = "q3_k_m")]
+    Q3KM,
+    /// llama.cpp's Q3_K_L mix: Q3_K, with Q5_K where quantizing costs most.
+    #[serde(rename = "q3_k_l")]
+    Q3KL,
+    /// llama.cpp's Q4_K_S mix: Q4_K, with Q5_K in the first layers' value and down
+    /// projections.
+    #[serde(rename = "q4_k_s")]
+    Q4KS,
+    /// llama.cpp's Q4_K_M mix, its most used: Q4_K, with Q6_K in about half the value and
+    /// down projections.
+    #[serde(rename = "q4_k_m")]
+    Q4KM,
+    /// llama.cpp's Q5_K_S mix: Q5_K, the output projection Q6_K.
+    #[serde(rename = "q5_k_s")]
+    Q5KS,
+    /// llama.cpp's Q5_K_M mix: Q5_K, with Q6_K in about half the value and down projections.
+    #[serde(rename = "q5_k_m")]
+    Q5KM,
 }
 
 impl Quantization {
@@ -269,6 +294,13 @@ impl Quantization {
             Quantization::Q4K => "q4_k",
             Quantization::Q5K => "q5_k",
             Quantization::Q6K => "q6_k",
+            Quantization::Q3KS => "q3_k_s",
+            Quantization::Q3KM => "q3_k_m",
+            Quantization::Q3KL => "q3_k_l",
+            Quantization::Q4KS => "q4_k_s",
+            Quantization::Q4KM => "q4_k_m",
+            Quantization::Q5KS => "q5_k_s",
+            Quantization::Q5KM => "q5_k_m",
         }
     }
 }

@@ -51,11 +51,13 @@ fn out_of_range_flags_are_refused_naming_the_flag_and_its_range() {
         (
             &["--prompt", "hi", "--quantization", "fp8"],
             "--quantization fp8: fp8 is a GPU quantization method and this engine computes on \
-             CPU; quantize at load to one of q8_0, q4_0, q4_1, q5_0, q5_1, q2_k, q3_k, q4_k, q5_k, q6_k",
+             CPU; quantize at load to one of q8_0, q4_0, q4_1, q5_0, q5_1, q2_k, q3_k, q4_k, q5_k, q6_k, q3_k_s, \
+             q3_k_m, q3_k_l, q4_k_s, q4_k_m, q5_k_s, q5_k_m",
         ),
         (
             &["--prompt", "hi", "--quantization", "q3"],
-            "--quantization q3: unknown method; expected one of q8_0, q4_0, q4_1, q5_0, q5_1, q2_k, q3_k, q4_k, q5_k, q6_k",
+            "--quantization q3: unknown method; expected one of q8_0, q4_0, q4_1, q5_0, q5_1, q2_k, q3_k, q4_k, q5_k, q6_k, q3_k_s, \
+             q3_k_m, q3_k_l, q4_k_s, q4_k_m, q5_k_s, q5_k_m",
         ),
     ];
     for (args, want) in cases {

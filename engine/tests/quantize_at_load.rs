@@ -13,7 +13,7 @@ use candle_core::quantized::{gguf_file, GgmlDType};
 use candle_core::{DType, Device, Tensor};
 use ferrite_engine::model::llama::Llama;
 use ferrite_engine::model::{
-    load_model, load_model_with, parse_quantization, LoadOptions, QUANTIZATIONS,
+    load_model, load_model_with, load_part_with, parse_quantization, LoadOptions, QUANTIZATIONS,
 };
 use ferrite_kernels::quant::{quantize, KFormat, WeightFormat};
 
@@ -327,5 +327,34 @@ fn the_llmservice_quantization_values_are_the_engines() {
             serde_yaml::from_str(&name).expect("a CRD value");
         assert_eq!(value.flag_value(), name);
         assert!(parse_quantization(value.flag_value()).is_ok(), "{name}");
+    }
+}
+
+#[test]
+fn a_k_quant_mix_gives_each_matrix_the_format_llama_quantize_gives_it() {
+    // llama-quantize's Q3_K_M, Q4_K_M and Q5_K_M files of the tiny model: quantizing the F16
+    // model at load with the same mix must give every matrix the same format (the model's
+    // fingerprint hashes each matrix's name, shape and format as held) and so the same bytes
+    // in memory; each format's blocks are checked above.
+    let f16 = common::fixture("tiny/tiny-F16.gguf");
+    for (name, file) in [
+        ("q3_k_m", "Q3_K_M"),
+        ("q4_k_m", "Q4_K_M"),
+        ("q5_k_m", "Q5_K_M"),
+    ] {
+        let theirs_path = common::fixture(&format!("tiny/tiny-{file}.gguf"));
+        let (theirs, their_print) =
+            load_part_with(&theirs_path, &Device::Cpu, &LoadOptions::default()).expect("loads");
+        let options = LoadOptions {
+            quantization: Some(parse_quantization(name).expect("a mix")),
+            ..Default::default()
+        };
+        let (ours, our_print) = load_part_with(&f16, &Device::Cpu, &options).expect("loads");
+        assert_eq!(our_print, their_print, "{name}: every matrix's format");
+        assert_eq!(
+            ours.resident_weight_bytes(),
+            theirs.resident_weight_bytes(),
+            "{name}"
+        );
     }
 }

@@ -55,3 +55,24 @@ done
   --tensor-type 'blk\.1\.attn_k=q4_k' --output-tensor-type q6_k --token-embedding-type q3_k \
   "$FIX/tiny-F16.gguf" "$FIX/tiny-F16-every-format.gguf" Q4_0 > /dev/null 2>&1
 echo "wrote tests/fixtures/tiny/*.gguf and tests/fixtures/tiny-llamacpp-greedy.json"
+
+# The types llama-quantize's K-quant mixes (Q3_K_S … Q5_K_M) choose for every tensor of three
+# model shapes (--dry-run: types only): 32 layers with GQA 4; SmolLM2's widths (576, rows no
+# whole 256-value block: the fallbacks), tied embeddings; 80 layers with GQA (llama.cpp's
+# 70B rule). What --quantization q4_k_m and the others must choose.
+MIXES="$OUT/mixes"; mkdir -p "$MIXES"
+MODELS='[{"name": "deep", "layers": 32, "hidden": 256, "ffn": 768, "heads": 8, "kv_heads": 2, "tied": false},
+ {"name": "narrow-tied", "layers": 12, "hidden": 576, "ffn": 512, "heads": 9, "kv_heads": 3, "tied": true},
+ {"name": "seventy", "layers": 80, "hidden": 256, "ffn": 256, "heads": 8, "kv_heads": 2, "tied": false}]'
+echo "$MODELS" > "$MIXES/models.json"
+echo "$MODELS" | "$PY" -c 'import json,sys; [print(m["name"], m["layers"], m["hidden"], m["ffn"], m["heads"], m["kv_heads"], int(m["tied"])) for m in json.load(sys.stdin)]' |
+while read -r name layers hidden ffn heads kv tied; do
+  TIED=""; [ "$tied" = 1 ] && TIED="--tied"
+  PYTHONPATH="$LLAMA_DIR/gguf-py" "$PY" "$ROOT/scripts/ggml-reference/tiny_model.py" "$MIXES/$name.gguf" --f16 $TIED \
+    --layers "$layers" --hidden "$hidden" --ffn "$ffn" --heads "$heads" --kv-heads "$kv"
+  for mix in Q3_K_S Q3_K_M Q3_K_L Q4_K_S Q4_K_M Q5_K_S Q5_K_M; do
+    "$LLAMA_DIR/build/bin/llama-quantize" --dry-run "$MIXES/$name.gguf" "$mix" > "$MIXES/$name-$(echo "$mix" | tr 'A-Z' 'a-z').log" 2>&1
+  done
+done
+"$PY" "$ROOT/scripts/ggml-reference/quant_mixes.py" "$MIXES/models.json" "$MIXES" > "$ROOT/tests/fixtures/llama-quantize-mixes.json"
+echo "wrote tests/fixtures/llama-quantize-mixes.json"

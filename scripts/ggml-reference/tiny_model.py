@@ -7,7 +7,8 @@ positions. The vocabulary holds the 128 ASCII bytes (so every token's text is wh
 which llama-server needs to report each token's probabilities), five merges and an end token.
 Other shapes for benchmarks (its text is noise, its speed is real): --hidden, --ffn, --heads,
 --kv-heads, --layers, --ctx (positions), and --vocab (filler tokens `w<i>` after the byte tokens, which no merge
-produces); --f16 stores the matrices in F16, --bf16 in BF16 (rounded to nearest even).
+produces); --f16 stores the matrices in F16, --bf16 in BF16 (rounded to nearest even); --tied
+writes no output.weight (the embedding is the output projection, as in SmolLM2).
 Usage: tiny_model.py OUT.gguf [shape flags] (run with llama.cpp's gguf-py on PYTHONPATH)."""
 import argparse
 
@@ -43,6 +44,7 @@ def main():
     p.add_argument("--ctx", type=int, default=512)
     p.add_argument("--f16", action="store_true")
     p.add_argument("--bf16", action="store_true")
+    p.add_argument("--tied", action="store_true")
     a = p.parse_args()
     HIDDEN, FFN, HEADS, KV_HEADS, LAYERS = a.hidden, a.ffn, a.heads, a.kv_heads, a.layers
     out = a.out
@@ -110,7 +112,8 @@ def main():
         add_mat(f"blk.{l}.ffn_up.weight", FFN, HIDDEN, 0.08)
         add_mat(f"blk.{l}.ffn_down.weight", HIDDEN, FFN, 0.05)
     w.add_tensor("output_norm.weight", norm(HIDDEN))
-    add_mat("output.weight", vocab, HIDDEN, 0.25)
+    if not a.tied:
+        add_mat("output.weight", vocab, HIDDEN, 0.25)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

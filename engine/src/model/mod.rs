@@ -3,6 +3,7 @@
 pub mod config;
 pub mod gguf;
 pub mod llama;
+pub mod mix;
 pub mod safetensors;
 pub mod stages;
 pub mod weights;
@@ -18,6 +19,7 @@ use ferrite_kernels::quant::{KFormat, WeightFormat};
 
 use crate::error::{Error, Result};
 use crate::tokenizer::Tokenizer;
+use mix::Mix;
 use weights::WeightSource;
 
 /// A model ready to serve: weights, tokenizer and where they came from.
@@ -40,27 +42,56 @@ pub struct LoadedModel {
 /// How to load a model.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct LoadOptions {
-    /// Quantize the floating-point matrices to this format as they are read
-    /// (`--quantization`); matrices the file stores quantized are kept.
-    pub quantization: Option<WeightFormat>,
+    /// Quantize the floating-point matrices as they are read (`--quantization`); matrices
+    /// the file stores quantized are kept.
+    pub quantization: Option<Quantization>,
     /// Load only one pipeline stage's part: `(stage, stages)`.
     pub stage: Option<(usize, usize)>,
     /// Load only one tensor-parallel rank's share: `(rank, ranks)`.
     pub tensor: Option<(usize, usize)>,
 }
 
-/// `--quantization` names and the formats they quantize to, in the order they are listed.
-pub const QUANTIZATIONS: [(&str, WeightFormat); 10] = [
-    ("q8_0", WeightFormat::Q8_0),
-    ("q4_0", WeightFormat::Q4_0),
-    ("q4_1", WeightFormat::Q4_1),
-    ("q5_0", WeightFormat::Q5_0),
-    ("q5_1", WeightFormat::Q5_1),
-    ("q2_k", WeightFormat::K(KFormat::Q2K)),
-    ("q3_k", WeightFormat::K(KFormat::Q3K)),
-    ("q4_k", WeightFormat::K(KFormat::Q4K)),
-    ("q5_k", WeightFormat::K(KFormat::Q5K)),
-    ("q6_k", WeightFormat::K(KFormat::Q6K)),
+/// What `--quantization` asks for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Quantization {
+    /// Every floating-point matrix in one format, as `llama-quantize --pure` writes it
+    /// (llama.cpp's fallback format where its blocks do not fit a row).
+    Pure(WeightFormat),
+    /// One of llama.cpp's K-quant mixes: each matrix in the format `llama-quantize` chooses
+    /// for it.
+    Mix(Mix),
+}
+
+impl Quantization {
+    /// The `--quantization` value that names it.
+    pub fn name(self) -> &'static str {
+        QUANTIZATIONS
+            .iter()
+            .find(|(_, q)| *q == self)
+            .map_or("", |(n, _)| n)
+    }
+}
+
+/// `--quantization` names and what they quantize to, in the order they are listed: one
+/// format for every matrix, then llama.cpp's K-quant mixes.
+pub const QUANTIZATIONS: [(&str, Quantization); 17] = [
+    ("q8_0", Quantization::Pure(WeightFormat::Q8_0)),
+    ("q4_0", Quantization::Pure(WeightFormat::Q4_0)),
+    ("q4_1", Quantization::Pure(WeightFormat::Q4_1)),
+    ("q5_0", Quantization::Pure(WeightFormat::Q5_0)),
+    ("q5_1", Quantization::Pure(WeightFormat::Q5_1)),
+    ("q2_k", Quantization::Pure(WeightFormat::K(KFormat::Q2K))),
+    ("q3_k", Quantization::Pure(WeightFormat::K(KFormat::Q3K))),
+    ("q4_k", Quantization::Pure(WeightFormat::K(KFormat::Q4K))),
+    ("q5_k", Quantization::Pure(WeightFormat::K(KFormat::Q5K))),
+    ("q6_k", Quantization::Pure(WeightFormat::K(KFormat::Q6K))),
+    ("q3_k_s", Quantization::Mix(Mix::Q3KS)),
+    ("q3_k_m", Quantization::Mix(Mix::Q3KM)),
+    ("q3_k_l", Quantization::Mix(Mix::Q3KL)),
+    ("q4_k_s", Quantization::Mix(Mix::Q4KS)),
+    ("q4_k_m", Quantization::Mix(Mix::Q4KM)),
+    ("q5_k_s", Quantization::Mix(Mix::Q5KS)),
+    ("q5_k_m", Quantization::Mix(Mix::Q5KM)),
 ];
 
 /// vLLM's `--quantization` methods that need a GPU (or a checkpoint quantized for one).
@@ -83,9 +114,9 @@ const GPU_QUANTIZATIONS: [&str; 16] = [
     "experts_int8",
 ];
 
-/// The format `--quantization NAME` quantizes to; the error names the flag, the value and
-/// the formats the CPU engine quantizes to.
-pub fn parse_quantization(name: &str) -> std::result::Result<WeightFormat, String> {
+/// What `--quantization NAME` asks for; the error names the flag, the value and the formats
+/// the CPU engine quantizes to.
+pub fn parse_quantization(name: &str) -> std::result::Result<Quantization, String> {
     let lower = name.trim().to_ascii_lowercase();
     if let Some((_, f)) = QUANTIZATIONS.iter().find(|(n, _)| *n == lower) {
         return Ok(*f);
@@ -181,13 +212,15 @@ fn load_parts(
         };
     let (model, fingerprint, stages) = match options.quantization {
         None => load_stage(config, source.as_mut(), options)?,
-        Some(format) => {
-            let mut q = weights::Quantizing::new(source.as_mut(), format);
+        Some(quantization) => {
+            let model = mix::MixModel::new(&config);
+            let mut q = weights::Quantizing::new(source.as_mut(), quantization, model);
             let loaded = load_stage(config, &mut q, options)?;
             let c = q.counts;
             tracing::info!(
-                "quantized at load to {format:?}: {} matrices, {} more in llama.cpp's fallback \
-                 format for rows that {format:?} blocks do not fit, {} kept in floating point",
+                "quantized at load to {}: {} matrices, {} more in llama.cpp's fallback format \
+                 for rows that the asked-for blocks do not fit, {} kept in floating point",
+                quantization.name(),
                 c.quantized,
                 c.fallback,
                 c.kept

@@ -2,6 +2,8 @@
 
 use candle_core::{Device, Tensor};
 
+use super::mix::MixModel;
+use super::Quantization;
 use crate::error::Result;
 use ferrite_kernels::quant::{quantize, QuantMatrix, WeightFormat};
 
@@ -86,13 +88,15 @@ impl WeightName {
 }
 
 /// A [`WeightSource`] whose floating-point matrices are quantized as they are read (the
-/// engine's `--quantization`): each becomes `format`'s blocks, written by ggml's reference
-/// quantizer ([`ferrite_kernels::quant::quantize`]), or the format `llama-quantize` falls
-/// back to where `format`'s blocks do not fit its rows
-/// ([`quantize::format_for`]). Matrices the file already stores quantized are kept.
+/// engine's `--quantization`): each becomes the blocks of the format asked for (one for all,
+/// or a mix's choice for the matrix), written by ggml's reference quantizer
+/// ([`ferrite_kernels::quant::quantize`]), or of the format `llama-quantize` falls back to
+/// where those blocks do not fit its rows ([`quantize::format_for`]). Matrices the file
+/// already stores quantized are kept.
 pub struct Quantizing<'a> {
     inner: &'a mut dyn WeightSource,
-    format: WeightFormat,
+    quantization: Quantization,
+    model: MixModel,
     /// What became of the float matrices.
     pub counts: QuantizedCounts,
 }
@@ -100,7 +104,7 @@ pub struct Quantizing<'a> {
 /// How many float matrices [`Quantizing`] turned into what.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct QuantizedCounts {
-    /// Quantized to the format asked for.
+    /// Quantized to the format asked for (a mix's choice for the matrix).
     pub quantized: usize,
     /// Quantized to llama.cpp's fallback format (rows not a whole number of blocks).
     pub fallback: usize,
@@ -109,14 +113,30 @@ pub struct QuantizedCounts {
 }
 
 impl<'a> Quantizing<'a> {
-    /// Quantizes `inner`'s float matrices to `format` (one of
-    /// [`ferrite_kernels::quant::quantize::QUANTIZABLE`]).
-    pub fn new(inner: &'a mut dyn WeightSource, format: WeightFormat) -> Self {
+    /// Quantizes `inner`'s float matrices as `quantization` asks (a mix choosing by
+    /// `model`'s shape).
+    pub fn new(
+        inner: &'a mut dyn WeightSource,
+        quantization: Quantization,
+        model: MixModel,
+    ) -> Self {
         Quantizing {
             inner,
-            format,
+            quantization,
+            model,
             counts: QuantizedCounts::default(),
         }
+    }
+
+    /// The format asked for matrix `name` (rows of `cols` values), and the one it takes:
+    /// llama.cpp's fallback where the asked-for blocks do not fit a row, `None` where none
+    /// does (kept in floating point).
+    fn target(&self, name: WeightName, cols: usize) -> (WeightFormat, Option<WeightFormat>) {
+        let asked = match self.quantization {
+            Quantization::Pure(format) => format,
+            Quantization::Mix(mix) => mix.choose(name, cols, &self.model),
+        };
+        (asked, quantize::format_for(asked, cols))
     }
 }
 
@@ -132,7 +152,7 @@ impl WeightSource for Quantizing<'_> {
     fn matrix_format(&self, name: WeightName, (r, c): (usize, usize)) -> Result<WeightFormat> {
         let stored = self.inner.matrix_format(name, (r, c))?;
         Ok(match stored {
-            WeightFormat::Float(_) => quantize::format_for(self.format, c).unwrap_or(stored),
+            WeightFormat::Float(_) => self.target(name, c).1.unwrap_or(stored),
             kept => kept,
         })
     }
@@ -142,7 +162,7 @@ impl WeightSource for Quantizing<'_> {
         if !matches!(m.format(), WeightFormat::Float(_)) {
             return Ok(m);
         }
-        let Some(format) = quantize::format_for(self.format, c) else {
+        let (asked, Some(format)) = self.target(name, c) else {
             self.counts.kept += 1;
             return Ok(m);
         };
@@ -158,7 +178,7 @@ impl WeightSource for Quantizing<'_> {
         let q = QuantMatrix::from_gguf(format, r, c, &bytes).ok_or_else(|| {
             crate::error::Error::internal("quantized bytes that do not fill the matrix")
         })?;
-        if format == self.format {
+        if format == asked {
             self.counts.quantized += 1;
         } else {
             self.counts.fallback += 1;

@@ -8,7 +8,6 @@ use ferrite_engine::engine::{ComputeDevice, EngineConfig};
 use ferrite_engine::kv::KvDtype;
 use ferrite_engine::model::LoadOptions;
 use ferrite_engine::sampling::SamplingParams;
-use ferrite_kernels::quant::WeightFormat;
 
 /// Ferrite's inference engine.
 #[derive(Debug, Parser)]
@@ -208,11 +207,13 @@ pub struct ModelArgs {
 #[derive(Debug, Args)]
 pub struct LoadArgs {
     /// Quantize the checkpoint's floating-point matrices while loading: q8_0, q4_0, q4_1,
-    /// q5_0, q5_1, q2_k, q3_k, q4_k, q5_k or q6_k (llama.cpp's block formats, with llama.cpp's
-    /// quantizers); matrices a GGUF file stores quantized are kept as they are. vLLM's GPU methods (fp8, awq, gptq, ...) are
+    /// q5_0, q5_1, q2_k, q3_k, q4_k, q5_k or q6_k (every matrix in that llama.cpp block format,
+    /// as `llama-quantize --pure` writes it), or q3_k_s, q3_k_m, q3_k_l, q4_k_s, q4_k_m,
+    /// q5_k_s or q5_k_m (llama.cpp's K-quant mixes: each matrix in the format `llama-quantize`
+    /// chooses for it); matrices a GGUF file stores quantized are kept as they are. vLLM's GPU methods (fp8, awq, gptq, ...) are
     /// refused.
     #[arg(long, env = "FERRITE_QUANTIZATION", value_parser = ferrite_engine::model::parse_quantization)]
-    pub quantization: Option<WeightFormat>,
+    pub quantization: Option<ferrite_engine::model::Quantization>,
 }
 
 impl LoadArgs {

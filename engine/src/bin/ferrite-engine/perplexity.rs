@@ -91,7 +91,7 @@ pub fn run(args: PerplexityArgs) -> Result<()> {
             "{}",
             serde_json::json!({
                 "model": args.model.model.display().to_string(),
-                "quantization": args.model.load.quantization.map(|q| format!("{q:?}")),
+                "quantization": args.model.load.quantization.map(|q| q.name()),
                 "file": args.file.display().to_string(),
                 "ctx": args.ctx,
                 "perplexity": result.perplexity,

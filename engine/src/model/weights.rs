@@ -1,6 +1,7 @@
 //! Named weights of a Llama-family model, and the trait that GGUF and safetensors loaders implement.
 
 use candle_core::{Device, Tensor};
+use rayon::prelude::*;
 
 use super::mix::MixModel;
 use super::Quantization;
@@ -166,11 +167,28 @@ impl WeightSource for Quantizing<'_> {
             self.counts.kept += 1;
             return Ok(m);
         };
-        let mut values = vec![0f32; c];
+        // Rows in parallel, a run of them per task: each row's blocks are independent of the
+        // others', so the bytes are the same whatever the thread count. A random 1.1B F16
+        // model loaded with `--quantization q4_k_m` and one token generated, 2 threads (AMD
+        // EPYC, Zen 5): 53.6 s with one row after another, 27.6-27.8 s in parallel.
+        let per_task = r.div_ceil(8 * rayon::current_num_threads()).max(1);
+        let runs: Vec<Option<Vec<u8>>> = (0..r)
+            .step_by(per_task)
+            .collect::<Vec<_>>()
+            .into_par_iter()
+            .map(|first| {
+                let mut values = vec![0f32; c];
+                let mut run = Vec::new();
+                for row in first..(first + per_task).min(r) {
+                    m.dequantize_row(row, &mut values);
+                    run.extend(quantize::quantize_row(format, &values)?);
+                }
+                Some(run)
+            })
+            .collect();
         let mut bytes = Vec::with_capacity(r * c / format.block_values() * format.block_bytes());
-        for row in 0..r {
-            m.dequantize_row(row, &mut values);
-            bytes.extend(quantize::quantize_row(format, &values).ok_or_else(|| {
+        for run in runs {
+            bytes.extend(run.ok_or_else(|| {
                 crate::error::Error::internal(format!("no quantizer for {format:?}"))
             })?);
         }

@@ -13,7 +13,7 @@ use candle_core::quantized::{gguf_file, GgmlDType};
 use candle_core::{DType, Device, Tensor};
 use ferrite_engine::model::llama::Llama;
 use ferrite_engine::model::{
-    load_model, load_model_with, load_part_with, parse_quantization, LoadOptions, QUANTIZATIONS,
+    load_model, load_model_with, load_part_with, parse_quantization, LoadOptions, Quantization,
 };
 use ferrite_kernels::quant::{quantize, KFormat, WeightFormat};
 
@@ -274,7 +274,7 @@ fn every_matrix_llama_quantize_wrote_is_what_quantizing_at_load_writes() {
 fn every_quantization_value_loads_the_model_smaller_and_runs_it() {
     let path = common::fixture("tiny/tiny-F16.gguf");
     let floats = load_model(&path, &Device::Cpu).expect("loads");
-    for (name, _) in QUANTIZATIONS {
+    for name in Quantization::all().map(Quantization::name) {
         let model = quantized(&path, name);
         assert!(
             model.resident_weight_bytes() < floats.resident_weight_bytes(),
@@ -320,7 +320,7 @@ fn the_llmservice_quantization_values_are_the_engines() {
     let crd: serde_yaml::Value =
         serde_yaml::from_str(&std::fs::read_to_string(path).expect("the CRD")).expect("YAML");
     let accepted = quantization_enum(&crd).expect("spec.engine.quantization's enum");
-    let names: Vec<String> = QUANTIZATIONS.iter().map(|(n, _)| n.to_string()).collect();
+    let names: Vec<String> = Quantization::all().map(|q| q.name().to_string()).collect();
     assert_eq!(accepted, names);
     for name in names {
         let value: ferrite_crds::llmservice::Quantization =

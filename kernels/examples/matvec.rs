@@ -17,31 +17,23 @@ use std::hint::black_box;
 use std::process::ExitCode;
 
 use common::{best_of_five, whole, Xorshift};
-use ferrite_kernels::quant::{FloatFormat, KFormat, QuantMatrix, WeightFormat};
+use ferrite_kernels::quant::{quantize, FloatFormat, QuantMatrix, WeightFormat};
 use half::{bf16, f16};
 
-/// The formats this example times, by the names it takes.
-const FORMATS: [(&str, WeightFormat); 13] = [
-    ("q4_0", WeightFormat::Q4_0),
-    ("q4_1", WeightFormat::Q4_1),
-    ("q5_0", WeightFormat::Q5_0),
-    ("q5_1", WeightFormat::Q5_1),
-    ("q8_0", WeightFormat::Q8_0),
-    ("q2_k", WeightFormat::K(KFormat::Q2K)),
-    ("q3_k", WeightFormat::K(KFormat::Q3K)),
-    ("q4_k", WeightFormat::K(KFormat::Q4K)),
-    ("q5_k", WeightFormat::K(KFormat::Q5K)),
-    ("q6_k", WeightFormat::K(KFormat::Q6K)),
-    ("f16", WeightFormat::Float(FloatFormat::F16)),
-    ("bf16", WeightFormat::Float(FloatFormat::BF16)),
-    ("f32", WeightFormat::Float(FloatFormat::F32)),
-];
+/// The formats this example times ([`WeightFormat::name`] names them): every block format,
+/// then the float ones.
+fn formats() -> impl Iterator<Item = WeightFormat> {
+    let floats = [FloatFormat::F16, FloatFormat::BF16, FloatFormat::F32];
+    quantize::QUANTIZABLE
+        .into_iter()
+        .chain(floats.map(WeightFormat::Float))
+}
 
 /// The width of every row: the hidden size of the ~1B models the benchmarks use.
 const COLS: usize = 2048;
 
 fn main() -> ExitCode {
-    let names: Vec<&str> = FORMATS.iter().map(|f| f.0).collect();
+    let names: Vec<&str> = formats().map(WeightFormat::name).collect();
     common::main_with(
         "matvec",
         || {
@@ -58,9 +50,8 @@ fn run(args: Vec<String>) -> Result<String, String> {
     let [name, kib, rest @ ..] = args.as_slice() else {
         return Err("FORMAT and KIB are required".into());
     };
-    let &(name, format) = FORMATS
-        .iter()
-        .find(|f| f.0 == name.as_str())
+    let format = formats()
+        .find(|f| f.name() == name.as_str())
         .ok_or_else(|| format!("unknown format {name:?}"))?;
     let kib = whole("KIB", kib)?;
     let threads = rest.first().map_or(Ok(1), |t| whole("THREADS", t))?;

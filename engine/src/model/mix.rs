@@ -68,6 +68,30 @@ fn output(cols: usize) -> WeightFormat {
 }
 
 impl Mix {
+    /// Every mix, in the order `--quantization` lists them.
+    pub const ALL: [Mix; 7] = [
+        Mix::Q3KS,
+        Mix::Q3KM,
+        Mix::Q3KL,
+        Mix::Q4KS,
+        Mix::Q4KM,
+        Mix::Q5KS,
+        Mix::Q5KM,
+    ];
+
+    /// The `--quantization` value that names it: llama.cpp's file type in lower case.
+    pub fn name(self) -> &'static str {
+        match self {
+            Mix::Q3KS => "q3_k_s",
+            Mix::Q3KM => "q3_k_m",
+            Mix::Q3KL => "q3_k_l",
+            Mix::Q4KS => "q4_k_s",
+            Mix::Q4KM => "q4_k_m",
+            Mix::Q5KS => "q5_k_s",
+            Mix::Q5KM => "q5_k_m",
+        }
+    }
+
     /// The format most matrices take.
     fn base(self) -> KFormat {
         match self {
@@ -124,7 +148,6 @@ impl Mix {
 mod tests {
     use ferrite_kernels::quant::quantize;
 
-    use super::super::{Quantization, QUANTIZATIONS};
     use super::*;
 
     /// The weight a GGUF tensor name stands for, and the row width of its matrix.
@@ -147,13 +170,6 @@ mod tests {
             "ffn_down.weight" => (WeightName::Down(l), ffn),
             _ => return None,
         })
-    }
-
-    fn format_name(f: WeightFormat) -> String {
-        match f {
-            WeightFormat::K(k) => format!("{k:?}").replace('K', "_k").to_ascii_lowercase(),
-            other => format!("{other:?}").to_ascii_lowercase(),
-        }
     }
 
     #[test]
@@ -180,27 +196,16 @@ mod tests {
                 seventy: layers == 80 && heads != kv,
             };
             let types = m["types"].as_object().expect("types");
-            let mixes: Vec<(&str, Mix)> = QUANTIZATIONS
-                .iter()
-                .filter_map(|&(name, q)| match q {
-                    Quantization::Mix(mix) => Some((name, mix)),
-                    Quantization::Pure(_) => None,
-                })
-                .collect();
-            assert_eq!(types.len(), mixes.len());
-            for (name, mix) in mixes {
+            assert_eq!(types.len(), Mix::ALL.len());
+            for mix in Mix::ALL {
+                let name = mix.name();
                 let theirs = types[name].as_object().expect("a mix's types");
                 assert!(!theirs.is_empty(), "{name}");
                 for (tensor, want) in theirs {
                     let (w, cols) = weight(tensor, hidden, ffn).expect("a matrix");
-                    let got =
-                        quantize::format_for(mix.choose(w, cols, &model), cols).map(format_name);
-                    assert_eq!(
-                        got.as_deref(),
-                        want.as_str(),
-                        "{}: {name}, {tensor}",
-                        m["name"]
-                    );
+                    let got = quantize::format_for(mix.choose(w, cols, &model), cols)
+                        .map(WeightFormat::name);
+                    assert_eq!(got, want.as_str(), "{}: {name}, {tensor}", m["name"]);
                     compared += 1;
                 }
             }

@@ -15,7 +15,7 @@ use candle_core::Device;
 pub use config::{Architecture, ModelConfig, RopeStyle};
 pub use llama::{Llama, ModelPart, Shard};
 
-use ferrite_kernels::quant::{KFormat, WeightFormat};
+use ferrite_kernels::quant::{quantize, WeightFormat};
 
 use crate::error::{Error, Result};
 use crate::tokenizer::Tokenizer;
@@ -63,36 +63,23 @@ pub enum Quantization {
 }
 
 impl Quantization {
+    /// Every value `--quantization` takes, in the order they are listed: one format for
+    /// every matrix, then llama.cpp's K-quant mixes.
+    pub fn all() -> impl Iterator<Item = Quantization> {
+        quantize::QUANTIZABLE
+            .into_iter()
+            .map(Quantization::Pure)
+            .chain(Mix::ALL.into_iter().map(Quantization::Mix))
+    }
+
     /// The `--quantization` value that names it.
     pub fn name(self) -> &'static str {
-        QUANTIZATIONS
-            .iter()
-            .find(|(_, q)| *q == self)
-            .map_or("", |(n, _)| n)
+        match self {
+            Quantization::Pure(format) => format.name(),
+            Quantization::Mix(mix) => mix.name(),
+        }
     }
 }
-
-/// `--quantization` names and what they quantize to, in the order they are listed: one
-/// format for every matrix, then llama.cpp's K-quant mixes.
-pub const QUANTIZATIONS: [(&str, Quantization); 17] = [
-    ("q8_0", Quantization::Pure(WeightFormat::Q8_0)),
-    ("q4_0", Quantization::Pure(WeightFormat::Q4_0)),
-    ("q4_1", Quantization::Pure(WeightFormat::Q4_1)),
-    ("q5_0", Quantization::Pure(WeightFormat::Q5_0)),
-    ("q5_1", Quantization::Pure(WeightFormat::Q5_1)),
-    ("q2_k", Quantization::Pure(WeightFormat::K(KFormat::Q2K))),
-    ("q3_k", Quantization::Pure(WeightFormat::K(KFormat::Q3K))),
-    ("q4_k", Quantization::Pure(WeightFormat::K(KFormat::Q4K))),
-    ("q5_k", Quantization::Pure(WeightFormat::K(KFormat::Q5K))),
-    ("q6_k", Quantization::Pure(WeightFormat::K(KFormat::Q6K))),
-    ("q3_k_s", Quantization::Mix(Mix::Q3KS)),
-    ("q3_k_m", Quantization::Mix(Mix::Q3KM)),
-    ("q3_k_l", Quantization::Mix(Mix::Q3KL)),
-    ("q4_k_s", Quantization::Mix(Mix::Q4KS)),
-    ("q4_k_m", Quantization::Mix(Mix::Q4KM)),
-    ("q5_k_s", Quantization::Mix(Mix::Q5KS)),
-    ("q5_k_m", Quantization::Mix(Mix::Q5KM)),
-];
 
 /// vLLM's `--quantization` methods that need a GPU (or a checkpoint quantized for one).
 const GPU_QUANTIZATIONS: [&str; 16] = [
@@ -118,10 +105,13 @@ const GPU_QUANTIZATIONS: [&str; 16] = [
 /// the CPU engine quantizes to.
 pub fn parse_quantization(name: &str) -> std::result::Result<Quantization, String> {
     let lower = name.trim().to_ascii_lowercase();
-    if let Some((_, f)) = QUANTIZATIONS.iter().find(|(n, _)| *n == lower) {
-        return Ok(*f);
+    if let Some(q) = Quantization::all().find(|q| q.name() == lower) {
+        return Ok(q);
     }
-    let allowed = QUANTIZATIONS.map(|(n, _)| n).join(", ");
+    let allowed = Quantization::all()
+        .map(Quantization::name)
+        .collect::<Vec<_>>()
+        .join(", ");
     Err(if GPU_QUANTIZATIONS.contains(&lower.as_str()) {
         format!(
             "--quantization {name}: {lower} is a GPU quantization method and this engine \

@@ -91,6 +91,25 @@ impl From<BlockFormat> for WeightFormat {
 }
 
 impl WeightFormat {
+    /// The format's name in lower case, as `llama-quantize` and `--quantization` spell it.
+    pub const fn name(self) -> &'static str {
+        match self {
+            WeightFormat::Q4_0 => "q4_0",
+            WeightFormat::Q4_1 => "q4_1",
+            WeightFormat::Q8_0 => "q8_0",
+            WeightFormat::Q5_0 => "q5_0",
+            WeightFormat::Q5_1 => "q5_1",
+            WeightFormat::K(KFormat::Q2K) => "q2_k",
+            WeightFormat::K(KFormat::Q3K) => "q3_k",
+            WeightFormat::K(KFormat::Q4K) => "q4_k",
+            WeightFormat::K(KFormat::Q5K) => "q5_k",
+            WeightFormat::K(KFormat::Q6K) => "q6_k",
+            WeightFormat::Float(FloatFormat::F16) => "f16",
+            WeightFormat::Float(FloatFormat::BF16) => "bf16",
+            WeightFormat::Float(FloatFormat::F32) => "f32",
+        }
+    }
+
     /// Values per block.
     pub const fn block_values(self) -> usize {
         match self {

@@ -512,15 +512,29 @@ mod ggml {
             .collect()
     }
 
-    /// The fixture's rows for ggml's type `name`.
-    pub(super) fn rows(name: &str) -> Vec<Row> {
+    /// The whole fixture.
+    fn fixture() -> serde_json::Value {
         let path = concat!(
             env!("CARGO_MANIFEST_DIR"),
             "/../tests/fixtures/ggml-reference.json"
         );
         let text = std::fs::read_to_string(path).expect("the ggml reference fixture");
-        let all: serde_json::Value = serde_json::from_str(&text).expect("JSON");
-        all[name]["rows"]
+        serde_json::from_str(&text).expect("JSON")
+    }
+
+    /// The names of the formats the fixture holds.
+    pub(super) fn formats() -> Vec<String> {
+        fixture()
+            .as_object()
+            .expect("an object")
+            .keys()
+            .cloned()
+            .collect()
+    }
+
+    /// The fixture's rows for ggml's type `name`.
+    pub(super) fn rows(name: &str) -> Vec<Row> {
+        fixture()[name]["rows"]
             .as_array()
             .unwrap_or_else(|| panic!("no {name} in the fixture"))
             .iter()
@@ -854,21 +868,16 @@ fn two_rows_at_once_give_each_row_its_one_row_dot_product() {
 
 #[test]
 fn weights_quantized_at_load_are_the_blocks_llama_cpp_writes() {
-    let names = [
-        (WeightFormat::Q8_0, "q8_0"),
-        (WeightFormat::Q4_0, "q4_0"),
-        (WeightFormat::Q4_1, "q4_1"),
-        (WeightFormat::Q5_0, "q5_0"),
-        (WeightFormat::Q5_1, "q5_1"),
-        (WeightFormat::K(KFormat::Q2K), "q2_K"),
-        (WeightFormat::K(KFormat::Q3K), "q3_K"),
-        (WeightFormat::K(KFormat::Q4K), "q4_K"),
-        (WeightFormat::K(KFormat::Q5K), "q5_K"),
-        (WeightFormat::K(KFormat::Q6K), "q6_K"),
-    ];
-    assert_eq!(names.map(|(f, _)| f), quantize::QUANTIZABLE);
-    for (format, name) in names {
-        for (r, row) in ggml::rows(name).iter().enumerate() {
+    // Every block format the fixture holds (ggml's names: `q4_K`) has a quantizer.
+    let names: Vec<String> = quantize::QUANTIZABLE
+        .iter()
+        .map(|f| f.name().replace("_k", "_K"))
+        .collect();
+    for held in ggml::formats().iter().filter(|n| n.starts_with('q')) {
+        assert!(names.contains(held), "no quantizer for {held}");
+    }
+    for (format, name) in quantize::QUANTIZABLE.into_iter().zip(names) {
+        for (r, row) in ggml::rows(&name).iter().enumerate() {
             let got = quantize::quantize_row(format, &row.w).expect("a quantizer");
             assert_eq!(got, row.weights, "{name} row {r}");
         }

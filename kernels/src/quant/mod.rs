@@ -179,8 +179,8 @@ impl Batched {
     fn dot2(self, features: cpu::Features) -> Option<Dot2> {
         #[cfg(target_arch = "x86_64")]
         match (self, features.avx512_vnni()) {
-            (Batched::Block(f), Some(cpu)) => Some(avx512::dot2(cpu, f)),
-            _ => avx2::best_dot2(features, self),
+            (_, Some(cpu)) => Some(avx512::dot2(cpu, self)),
+            (_, None) => avx2::best_dot2(features, self),
         }
         #[cfg(not(target_arch = "x86_64"))]
         {
@@ -481,21 +481,14 @@ impl QuantMatrix {
                     .format
                     .batched()
                     .unwrap_or(Batched::Block(BlockFormat::Q8_0));
-                // One activation row against Q4_1 runs on the AVX-512 VNNI tiles below,
-                // four weight rows at a time: faster than one row after the next on the
-                // default model, even at 1B (see `prefetch_rows`), and than two rows at a
-                // time ([`Dot2`]; Zen 5, 2 threads: the default model 285–320 against
-                // 250–276 tok/s, random 1.1B Q4_1 43–53 against 48–52). Q4_0, which carries
-                // no minimum, gains from two rows at 1B (random 1.1B Q4_0 59–62 against
-                // 48–51 tok/s on the tiles; the default model requantized to Q4_0 292–337
-                // against 279–333), and every other case reads two rows at a time too;
-                // arm64, whose speed nothing here measures, reads one row at a time.
-                #[cfg(target_arch = "x86_64")]
-                let one_row_on_tiles =
-                    features.avx512_vnni().is_some() && f == Batched::Block(BlockFormat::Q4_1);
-                #[cfg(not(target_arch = "x86_64"))]
-                let one_row_on_tiles = false;
-                if m == 1 && !one_row_on_tiles {
+                // One activation row: two weight rows at a time on the x86 tiers, one from
+                // each half of a task's rows ([`Dot2`]). On the AVX-512 VNNI tier, Q4_1 ran
+                // four weight rows at a time on the packed tiles below until the paired-block
+                // kernel unpacked nibbles in fewer instructions; then, on a Zen 5 (2 threads,
+                // single-stream decode), random 1.1B Q4_1 61–71 against 51–56 tok/s on the
+                // tiles, the default model even (358–383 against 365–376). arm64, whose speed
+                // nothing here measures, reads one row at a time.
+                if m == 1 {
                     // Two weight rows at a time where the tier has a two-row dot product,
                     // else one after the next (see `pair_rows`).
                     let quantize = |r: &[f32]| quantize_row(r, f.mins());
@@ -674,7 +667,8 @@ impl QuantMatrix {
     /// against 200–205. So the AVX-512 VNNI tier kept the tiles and the AVX2 tiers, like
     /// Q8_0 and Q5_0 on every tier, read the rows without the tiles: since then two at a
     /// time, one from each half of a task's rows ([`Dot2`]), each half one sequential
-    /// stream, which Q4_0 on the AVX-512 VNNI tier now does too (see [`Self::matmul`]).
+    /// stream, which every 32-value format on the AVX-512 VNNI tier now does too (see
+    /// [`Self::matmul`]).
     ///
     /// What did pay on Zen 5 is a steady request per cache line a fixed distance ahead,
     /// issued by the dot product itself as it reaches each block: the x86 one-row dot
@@ -982,20 +976,23 @@ type Dot = fn(&[u8], &QuantizedRow) -> f32;
 
 /// The Q5_0 (`signed`) or Q5_1 dot product on the best tier `features` has.
 fn q5_dot(features: cpu::Features, signed: bool) -> Dot {
+    let format = if signed { Batched::Q5_0 } else { Batched::Q5_1 };
+    #[cfg(target_arch = "x86_64")]
+    if let Some(cpu) = features.avx512_vnni() {
+        return avx512::dot(cpu, format);
+    }
     #[cfg(target_arch = "x86_64")]
     if let Some(dot) = avx2::best_dot_q5(features, signed) {
         return dot;
     }
     #[cfg(target_arch = "aarch64")]
-    if let Some(dot) = neon::best_dot(features, if signed { Batched::Q5_0 } else { Batched::Q5_1 })
-    {
+    if let Some(dot) = neon::best_dot(features, format) {
         return dot;
     }
     let _ = features;
-    if signed {
-        q5::dot_q5_0
-    } else {
-        q5::dot_q5_1
+    match format {
+        Batched::Q5_0 => q5::dot_q5_0,
+        _ => q5::dot_q5_1,
     }
 }
 
@@ -1110,7 +1107,7 @@ fn kquant_dot2(
 fn dot_kernel(features: cpu::Features, format: BlockFormat) -> Dot {
     #[cfg(target_arch = "x86_64")]
     if let Some(cpu) = features.avx512_vnni() {
-        return avx512::dot(cpu, format);
+        return avx512::dot(cpu, Batched::Block(format));
     }
     #[cfg(target_arch = "x86_64")]
     if let Some(dot) = avx2::best_dot(features, format) {

@@ -217,7 +217,10 @@ fn every_kernel_matches_the_portable_code_bit_for_bit() {
         }
         if features.avx512_vnni().is_some() {
             dots.push(("avx512-vnni", |fmt| {
-                avx512::dot(cpu::detect().avx512_vnni().expect("vnni"), fmt)
+                avx512::dot(
+                    cpu::detect().avx512_vnni().expect("vnni"),
+                    Batched::Block(fmt),
+                )
             }));
         }
     }
@@ -730,6 +733,11 @@ fn the_5_bit_formats_compute_what_ggml_computes_bit_for_bit() {
                     f.avx_vnni()
                         .map(|cpu| ("avx-vnni", avx2::dot_q5(cpu, signed))),
                 );
+                let b = if signed { Batched::Q5_0 } else { Batched::Q5_1 };
+                dots.extend(
+                    f.avx512_vnni()
+                        .map(|cpu| ("avx512-vnni", avx512::dot(cpu, b))),
+                );
             }
             #[cfg(target_arch = "aarch64")]
             {
@@ -842,9 +850,10 @@ fn two_rows_at_once_give_each_row_its_one_row_dot_product() {
                 f.avx_vnni()
                     .map(|cpu| ("avx-vnni", avx2::dot2(cpu, batched))),
             );
-            if let (Some(cpu), Batched::Block(b)) = (f.avx512_vnni(), batched) {
-                dots.push(("avx512-vnni", avx512::dot2(cpu, b)));
-            }
+            dots.extend(
+                f.avx512_vnni()
+                    .map(|cpu| ("avx512-vnni", avx512::dot2(cpu, batched))),
+            );
         }
         let row = |r: usize| &w[r * row_bytes..(r + 1) * row_bytes];
         for (tier, dot2) in dots {

@@ -12,7 +12,7 @@ use std::arch::x86_64::*;
 use super::avx2::{self, lanes};
 use super::portable::hsum8;
 use super::sse2::prefetch_ahead;
-use super::{BlockFormat, Dot, Dot2, PackedTile, QuantizedRow, BLOCK};
+use super::{Batched, BlockFormat, Dot, Dot2, PackedTile, QuantizedRow, BLOCK};
 use crate::cpu::Avx512Vnni;
 
 /// The four outputs of two paired accumulators (rows 0-1, 2-3): each half reduced as
@@ -53,6 +53,30 @@ unsafe fn row_pair_q8(a: &[u8], b: &[u8], at: usize) -> __m512i {
     }
 }
 
+/// The 16 packed bytes at `at` of each of two rows, each as it is and shifted right by four
+/// bits, laid out `[a, a >> 4, b, b >> 4]` (16 bytes each; the shifted copies keep the
+/// neighbouring byte's low bits in their high nibbles).
+///
+/// # Safety
+/// Both rows must hold 16 readable bytes at `at`.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx2")]
+unsafe fn row_pair_shifted(a: &[u8], b: &[u8], at: usize) -> __m512i {
+    // SAFETY: the caller guarantees 16 readable bytes at `at` in both rows.
+    let y = unsafe {
+        let lo = _mm_loadu_si128(a.as_ptr().add(at).cast());
+        let hi = _mm_loadu_si128(b.as_ptr().add(at).cast());
+        _mm256_inserti128_si256::<1>(_mm256_castsi128_si256(lo), hi)
+    };
+    // [a, b] -> [a, a, b, b], every second copy shifted.
+    let z = _mm512_permutexvar_epi64(
+        _mm512_setr_epi64(0, 1, 0, 1, 2, 3, 2, 3),
+        _mm512_castsi256_si512(y),
+    );
+    let four = 0x0004_0004_0004_0004;
+    _mm512_srlv_epi16(z, _mm512_setr_epi64(0, 0, four, four, 0, 0, four, four))
+}
+
 /// The 32 values of the 4-bit block whose 16 packed bytes start at `at` in each of two
 /// rows, minus `shift`, laid out `[a lo, a hi, b lo, b hi]` (16 bytes each).
 ///
@@ -61,16 +85,9 @@ unsafe fn row_pair_q8(a: &[u8], b: &[u8], at: usize) -> __m512i {
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx2")]
 unsafe fn row_pair_q4(a: &[u8], b: &[u8], at: usize, shift: i8) -> __m512i {
-    // SAFETY: the caller guarantees 16 readable bytes at `at` in both rows.
-    let y = unsafe {
-        let lo = _mm_loadu_si128(a.as_ptr().add(at).cast());
-        let hi = _mm_loadu_si128(b.as_ptr().add(at).cast());
-        _mm256_inserti128_si256::<1>(_mm256_castsi128_si256(lo), hi)
-    };
-    // [a qs, b qs, a qs >> 4, b qs >> 4] -> [a lo, a hi, b lo, b hi].
-    let z = _mm512_inserti64x4::<1>(_mm512_castsi256_si512(y), _mm256_srli_epi16::<4>(y));
+    // SAFETY: the caller's guarantee.
+    let z = unsafe { row_pair_shifted(a, b, at) };
     let z = _mm512_and_si512(z, _mm512_set1_epi8(0x0F));
-    let z = _mm512_permutexvar_epi64(_mm512_setr_epi64(0, 1, 4, 5, 2, 3, 6, 7), z);
     _mm512_sub_epi8(z, _mm512_set1_epi8(shift))
 }
 
@@ -80,6 +97,10 @@ const FMT_Q4_0: u8 = 0;
 const FMT_Q4_1: u8 = 1;
 /// Q8_0 weights.
 const FMT_Q8_0: u8 = 2;
+/// Q5_0 weights (the one-row products only).
+const FMT_Q5_0: u8 = 3;
+/// Q5_1 weights (the one-row products only).
+const FMT_Q5_1: u8 = 4;
 
 /// The weight format an `F` parameter names.
 const fn block_format(f: u8) -> BlockFormat {
@@ -87,6 +108,26 @@ const fn block_format(f: u8) -> BlockFormat {
         FMT_Q8_0 => BlockFormat::Q8_0,
         FMT_Q4_1 => BlockFormat::Q4_1,
         _ => BlockFormat::Q4_0,
+    }
+}
+
+/// The 32-value format an `F` parameter names, the 5-bit ones included.
+const fn batched(f: u8) -> Batched {
+    match f {
+        FMT_Q5_0 => Batched::Q5_0,
+        FMT_Q5_1 => Batched::Q5_1,
+        f => Batched::Block(block_format(f)),
+    }
+}
+
+/// The `F` parameter naming `format`.
+const fn fmt(format: Batched) -> u8 {
+    match format {
+        Batched::Block(BlockFormat::Q4_0) => FMT_Q4_0,
+        Batched::Block(BlockFormat::Q4_1) => FMT_Q4_1,
+        Batched::Block(BlockFormat::Q8_0) => FMT_Q8_0,
+        Batched::Q5_0 => FMT_Q5_0,
+        Batched::Q5_1 => FMT_Q5_1,
     }
 }
 
@@ -205,36 +246,40 @@ fn packed_rows_avx512<const F: u8>(w: [&[u8]; 4], acts: &[QuantizedRow], out: &m
 /// side (see [`Dot2`]).
 #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
 fn rows_avx512<const F: u8, const R: usize>(w: [&[u8]; R], a: &QuantizedRow) -> [f32; R] {
-    let stride = block_format(F).block_bytes();
+    let stride = batched(F).block_bytes();
     let nb = a.d.len();
     assert!(w.iter().all(|w| w.len() == nb * stride) && a.q.len() == nb * BLOCK);
-    assert!(F != FMT_Q4_1 || a.s.len() == nb);
+    assert!(!batched(F).mins() || a.s.len() == nb);
     let mut acc = [_mm256_setzero_ps(); R];
     let mut summs = [_mm256_setzero_ps(); R];
-    for i in (0..nb).step_by(2) {
-        let pair = i + 1 < nb;
-        // SAFETY: the activation bytes read (64 for a pair, 32 for the last odd block) lie
-        // inside `a.q` (asserted length); the load is unaligned.
+    let pairs = nb / 2 * 2;
+    for i in (0..pairs).step_by(2) {
+        // SAFETY: blocks `i` and `i + 1` of the activation, 64 bytes, lie inside `a.q`
+        // (asserted length); the load is unaligned.
+        let qy = unsafe { _mm512_loadu_si512(a.q.as_ptr().add(i * BLOCK).cast()) };
+        for r in 0..R {
+            let (x, y) = w[r][i * stride..(i + 2) * stride].split_at(stride);
+            prefetch_ahead(x.as_ptr(), (2 * stride).div_ceil(64));
+            // SAFETY: `x` and `y` are whole blocks of the row.
+            let sums = unsafe { pair_lanes::<F>(x, y, qy) };
+            let low = _mm512_castps512_ps256(sums);
+            let high = _mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(_mm512_castps_pd(sums)));
+            (acc[r], summs[r]) = add_block::<F>(x, a, i, low, acc[r], summs[r]);
+            (acc[r], summs[r]) = add_block::<F>(y, a, i + 1, high, acc[r], summs[r]);
+        }
+    }
+    if pairs < nb {
+        let i = pairs;
+        // SAFETY: the last block of the activation, 32 bytes, lies inside `a.q`.
         let qy = unsafe {
-            let q = a.q.as_ptr().add(i * BLOCK);
-            if pair {
-                _mm512_loadu_si512(q.cast())
-            } else {
-                _mm512_zextsi256_si512(_mm256_loadu_si256(q.cast()))
-            }
+            _mm512_zextsi256_si512(_mm256_loadu_si256(a.q.as_ptr().add(i * BLOCK).cast()))
         };
         for r in 0..R {
             let x = &w[r][i * stride..];
-            let y = if pair { &x[stride..] } else { x };
-            prefetch_ahead(x.as_ptr(), (2 * stride).div_ceil(64));
-            // SAFETY: `x` and `y` each start a whole block of the row (asserted length).
-            let sums = unsafe { pair_lanes::<F>(x, y, qy) };
+            // SAFETY: `x` is the row's last whole block (taken as both halves).
+            let sums = unsafe { pair_lanes::<F>(x, x, qy) };
             let low = _mm512_castps512_ps256(sums);
             (acc[r], summs[r]) = add_block::<F>(x, a, i, low, acc[r], summs[r]);
-            if pair {
-                let high = _mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(_mm512_castps_pd(sums)));
-                (acc[r], summs[r]) = add_block::<F>(y, a, i + 1, high, acc[r], summs[r]);
-            }
         }
     }
     std::array::from_fn(|r| hsum8(lanes(acc[r])) + _mm256_cvtss_f32(summs[r]))
@@ -260,6 +305,27 @@ unsafe fn pair_lanes<const F: u8>(x: &[u8], y: &[u8], qy: __m512i) -> __m512 {
                 _mm512_dpbusd_epi32(zero, _mm512_abs_epi8(qx), sy)
             }
             FMT_Q4_1 => _mm512_dpbusd_epi32(zero, row_pair_q4(x, y, 4, 0), qy),
+            FMT_Q5_0 | FMT_Q5_1 => {
+                // The nibbles, plus 16 where the block's high bit is set (bit `j` of its
+                // four `qh` bytes for value `j`, byte `j` of each half here); Q5_0's
+                // (n - 16)·y summed as Q4_0's (n - 8)·y are below.
+                let (qh, qs) = if F == FMT_Q5_0 { (2, 6) } else { (4, 8) };
+                let high =
+                    |b: &[u8]| u64::from((b.as_ptr().add(qh) as *const u32).read_unaligned());
+                let sixteens = _mm512_maskz_mov_epi8(high(x) | high(y) << 32, _mm512_set1_epi8(16));
+                // (nibbles & 0x0F) | sixteens in one instruction.
+                let n = _mm512_ternarylogic_epi32::<0xEA>(
+                    row_pair_shifted(x, y, qs),
+                    _mm512_set1_epi8(0x0F),
+                    sixteens,
+                );
+                let sums = _mm512_dpbusd_epi32(zero, n, qy);
+                if F == FMT_Q5_0 {
+                    _mm512_sub_epi32(sums, _mm512_dpbusd_epi32(zero, _mm512_set1_epi8(16), qy))
+                } else {
+                    sums
+                }
+            }
             _ => {
                 // Four (n - 8)·y summed are four n·y summed minus four 8·y summed: the
                 // same integers, with the unsigned-by-signed instruction and no signs.
@@ -272,8 +338,8 @@ unsafe fn pair_lanes<const F: u8>(x: &[u8], y: &[u8], qy: __m512i) -> __m512 {
     _mm512_cvtepi32_ps(prod)
 }
 
-/// Block `i` (GGUF bytes `b`) of a [`row_avx512`] row: its integer `lanes` scaled into
-/// `acc`, and for Q4_1 the `m · s` term into `summs`, as the 256-bit kernel does.
+/// Block `i` (GGUF bytes `b`) of a [`rows_avx512`] row: its integer `lanes` scaled into
+/// `acc`, and for Q4_1 and Q5_1 the `m · s` term into `summs`, as the 256-bit kernels do.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
 fn add_block<const F: u8>(
@@ -284,7 +350,7 @@ fn add_block<const F: u8>(
     acc: __m256,
     summs: __m256,
 ) -> (__m256, __m256) {
-    let summs = if F == FMT_Q4_1 {
+    let summs = if batched(F).mins() {
         avx2::add_min(b, 2, a.s[i], summs)
     } else {
         summs
@@ -304,22 +370,26 @@ fn rows2<const F: u8>(w: [&[u8]; 2], a: &QuantizedRow) -> [f32; 2] {
 }
 
 /// The one-row dot product for `format`.
-pub(super) fn dot(cpu: Avx512Vnni, format: BlockFormat) -> Dot {
+pub(super) fn dot(cpu: Avx512Vnni, format: Batched) -> Dot {
     let _ = cpu;
-    match format {
-        BlockFormat::Q4_1 => row::<FMT_Q4_1>,
-        BlockFormat::Q4_0 => row::<FMT_Q4_0>,
-        BlockFormat::Q8_0 => row::<FMT_Q8_0>,
+    match fmt(format) {
+        FMT_Q4_1 => row::<FMT_Q4_1>,
+        FMT_Q4_0 => row::<FMT_Q4_0>,
+        FMT_Q8_0 => row::<FMT_Q8_0>,
+        FMT_Q5_0 => row::<FMT_Q5_0>,
+        _ => row::<FMT_Q5_1>,
     }
 }
 
 /// The two-row dot product for `format`.
-pub(super) fn dot2(cpu: Avx512Vnni, format: BlockFormat) -> Dot2 {
+pub(super) fn dot2(cpu: Avx512Vnni, format: Batched) -> Dot2 {
     let _ = cpu;
-    match format {
-        BlockFormat::Q4_1 => rows2::<FMT_Q4_1>,
-        BlockFormat::Q4_0 => rows2::<FMT_Q4_0>,
-        BlockFormat::Q8_0 => rows2::<FMT_Q8_0>,
+    match fmt(format) {
+        FMT_Q4_1 => rows2::<FMT_Q4_1>,
+        FMT_Q4_0 => rows2::<FMT_Q4_0>,
+        FMT_Q8_0 => rows2::<FMT_Q8_0>,
+        FMT_Q5_0 => rows2::<FMT_Q5_0>,
+        _ => rows2::<FMT_Q5_1>,
     }
 }
 

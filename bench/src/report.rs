@@ -60,7 +60,7 @@ impl Machine {
         };
         let wide = self.full_width_512.map_or(String::new(), |full| {
             let words = ferrite_kernels::cpu::full_width_512_words(Some(full));
-            format!(" (512-bit integer dot products {words})")
+            format!(" (32-value batch kernel {words})")
         });
         format!(
             "Machine: {}; Ferrite's kernel tiers: {tiers}{wide}; {} logical cores, {} GiB.",
@@ -300,7 +300,8 @@ mod tests {
         assert_eq!(
             zen5.header(),
             "Machine: AMD EPYC (family 26, model 2); Ferrite's kernel tiers: portable, \
-             avx512-vnni (512-bit integer dot products at full width); 2 logical cores, 23.5 GiB."
+             avx512-vnni (32-value batch kernel paired in 512-bit registers); 2 logical cores, \
+             23.5 GiB."
         );
         // Results recorded before the tiers were still load, and say so.
         let old: Machine = serde_json::from_str(

@@ -53,7 +53,7 @@ fn bench_prints_burst_and_steady_tables_with_a_row_per_concurrency() {
     for want in [
         "| CPU | ",
         "| kernel tiers | portable",
-        "| 512-bit integer dot products | ",
+        "| 32-value batch kernel | ",
         "| prompt processing (24 tokens) |",
         "| single-stream decode (4 tokens) |",
         "all requests sent at once",

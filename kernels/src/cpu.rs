@@ -67,12 +67,13 @@ pub fn detect() -> Features {
 }
 
 /// How the batch kernel of the 32-value formats (Q4_0, Q4_1, Q8_0, Q5_0, Q5_1) runs on
-/// this CPU, for benchmark tables and the startup log: `Some(true)` where a 512-bit
-/// `vpdpbusd` runs as fast as a 256-bit one, so two (weight row, activation row) pairs share
-/// each register; `Some(false)` where it runs at half speed (split in two, or on one port),
-/// so each pair has a 256-bit register; `None` without the AVX-512 VNNI tier, which that
-/// kernel needs. Measured once per process (a few microseconds) at the first call here or
-/// in a product; it changes no result, only the time.
+/// this CPU, for benchmark tables and the startup log: `Some(true)` where two (weight row,
+/// activation row) pairs sharing each 512-bit register do a block faster than a 256-bit
+/// register per pair (a Zen 5, and Intel parts whose 256-bit operations share the ports of
+/// the 512-bit ones); `Some(false)` where they do not (a CPU that splits 512-bit operations
+/// in two), so each pair has a 256-bit register; `None` without the AVX-512 VNNI tier, which
+/// that kernel needs. Measured once per process (a few microseconds) at the first call here
+/// or in a product; it changes no result, only the time.
 pub fn full_width_512() -> Option<bool> {
     #[cfg(target_arch = "x86_64")]
     {
@@ -85,11 +86,12 @@ pub fn full_width_512() -> Option<bool> {
 }
 
 /// A [`full_width_512`] answer in the words benchmark tables, reports and the startup log
-/// print: "at full width", "at half speed", or "not used" (no AVX-512 VNNI tier).
+/// print: "paired in 512-bit registers", "in 256-bit registers", or "not used" (no AVX-512
+/// VNNI tier).
 pub fn full_width_512_words(full: Option<bool>) -> &'static str {
     match full {
-        Some(true) => "at full width",
-        Some(false) => "at half speed",
+        Some(true) => "paired in 512-bit registers",
+        Some(false) => "in 256-bit registers",
         None => "not used",
     }
 }

@@ -337,7 +337,7 @@ impl EngineHandle {
             .into());
         }
         tracing::info!(
-            "kernel tiers: {}; 512-bit integer dot products: {}",
+            "kernel tiers: {}; 32-value batch kernel: {}",
             ferrite_kernels::cpu::detect().tiers().join(", "),
             ferrite_kernels::cpu::full_width_512_words(ferrite_kernels::cpu::full_width_512())
         );

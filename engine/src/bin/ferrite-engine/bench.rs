@@ -155,7 +155,7 @@ pub fn run(args: &BenchArgs) -> Result<()> {
         ferrite_kernels::cpu::detect().tiers().join(", ")
     );
     println!(
-        "| 512-bit integer dot products | {} |",
+        "| 32-value batch kernel | {} |",
         ferrite_kernels::cpu::full_width_512_words(ferrite_kernels::cpu::full_width_512())
     );
     println!("| threads | {} |", rayon::current_num_threads());

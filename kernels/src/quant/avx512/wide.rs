@@ -8,7 +8,8 @@
 //!   a block's eight lanes meet a single scale product, which the fused multiply-add takes
 //!   straight from memory with an embedded broadcast. On a CPU that splits 512-bit
 //!   operations in two (Zen 4), 256-bit ones do the same arithmetic in the same time.
-//! - On a CPU that runs 512-bit operations at full width (Zen 5), two pairs share each
+//! - On a CPU that runs 512-bit operations at full width (Zen 5), or whose 256-bit
+//!   operations share the 512-bit ones' ports (Intel's Xeons), two pairs share each
 //!   512-bit register instead, so every integer dot product, conversion and multiply-add
 //!   does twice the work ([`full_width`] measures which kind of CPU this is).
 //! - Weight blocks are unpacked once per group of four rows to 32 unsigned bytes each
@@ -345,12 +346,16 @@ fn tile_as(
     }
 }
 
-/// Whether this CPU runs a 512-bit `vpdpbusd` about as fast as a 256-bit one, so that
-/// [`paired_avx512`] does a block in two thirds of [`tile_avx512`]'s time: measured once
-/// per process, as twelve independent chains of each (a few microseconds), the faster of
-/// five tries each. CPUs that split 512-bit operations in two (Zen 4) or run them on one
-/// port (some Intel parts) take about twice as long for the 512-bit chains; a Zen 5 (AMD
-/// EPYC, family 26) takes the same. The choice changes no result, only the time.
+/// Whether [`paired_avx512`] beats [`tile_avx512`] on this CPU: measured once per process
+/// by running each kernel's mix of operations per block ([`block_mix`]: the integer dot
+/// products, conversions and fused multiply-adds, and the paired kernel's permutes) on
+/// registers alone, a few microseconds, the faster of five tries each; paired where its mix
+/// takes under nine tenths of the other's time. A CPU that splits 512-bit operations in two
+/// (Zen 4) gains nothing from pairing. One that runs them at full width (Zen 5) does the
+/// paired block in about two thirds of the time. So do Intel cores that run a 512-bit
+/// `vpdpbusd` on one port and a 256-bit one on two (a Xeon of family 6, model 167): there
+/// every 256-bit operation of the unpaired tile shares those two ports too, and pairing
+/// halves their count. The choice changes no result, only the time.
 pub(crate) fn full_width(cpu: Avx512Vnni) -> bool {
     static FULL: OnceLock<bool> = OnceLock::new();
     *FULL.get_or_init(|| {
@@ -359,19 +364,21 @@ pub(crate) fn full_width(cpu: Avx512Vnni) -> bool {
         for _ in 0..5 {
             // SAFETY: `cpu` proves AVX-512 F, VL and VNNI.
             unsafe {
-                narrow = narrow.min(dpbusd_chains::<false>());
-                wide = wide.min(dpbusd_chains::<true>());
+                narrow = narrow.min(block_mix::<false>());
+                wide = wide.min(block_mix::<true>());
             }
         }
-        wide.as_nanos() * 2 < narrow.as_nanos() * 3
+        wide.as_nanos() * 10 < narrow.as_nanos() * 9
     })
 }
 
-/// The time of twelve independent chains of 2048 `vpdpbusd` each, 512-bit (`WIDE`) or
-/// 256-bit.
+/// The time of 2048 rounds of one kernel's operations for twelve (weight row, activation
+/// row) pair-blocks: [`paired_avx512`]'s (`WIDE`: six 512-bit integer dot products,
+/// conversions, permutes and fused multiply-adds) or [`tile_avx512`]'s (twelve 256-bit dot
+/// products, conversions and fused multiply-adds), each in a chain of its own so that only
+/// the CPU's ports bound the time.
 #[target_feature(enable = "avx512f,avx512vl,avx512vnni")]
-fn dpbusd_chains<const WIDE: bool>() -> Duration {
-    const CHAINS: usize = 12;
+fn block_mix<const WIDE: bool>() -> Duration {
     const ROUNDS: usize = 2048;
     let (a, b) = (
         black_box(_mm512_set1_epi8(3)),
@@ -379,22 +386,34 @@ fn dpbusd_chains<const WIDE: bool>() -> Duration {
     );
     let start = Instant::now();
     if WIDE {
+        const CHAINS: usize = 6;
+        let pick = black_box(_mm512_setr_epi32(
+            1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14,
+        ));
         let mut acc = [_mm512_setzero_si512(); CHAINS];
+        let mut scale = [_mm512_set1_ps(1.0); CHAINS];
+        let mut sum = [_mm512_setzero_ps(); CHAINS];
         for _ in 0..ROUNDS {
-            for acc in &mut acc {
-                *acc = _mm512_dpbusd_epi32(*acc, a, b);
+            for k in 0..CHAINS {
+                acc[k] = _mm512_dpbusd_epi32(acc[k], a, b);
+                scale[k] = _mm512_permutexvar_ps(pick, scale[k]);
+                sum[k] = _mm512_fmadd_ps(scale[k], _mm512_cvtepi32_ps(acc[k]), sum[k]);
             }
         }
-        black_box(acc);
+        black_box((acc, sum));
     } else {
+        const CHAINS: usize = 12;
         let (a, b) = (_mm512_castsi512_si256(a), _mm512_castsi512_si256(b));
+        let scale = black_box(_mm256_set1_ps(1.0));
         let mut acc = [_mm256_setzero_si256(); CHAINS];
+        let mut sum = [_mm256_setzero_ps(); CHAINS];
         for _ in 0..ROUNDS {
-            for acc in &mut acc {
-                *acc = _mm256_dpbusd_epi32(*acc, a, b);
+            for k in 0..CHAINS {
+                acc[k] = _mm256_dpbusd_epi32(acc[k], a, b);
+                sum[k] = _mm256_fmadd_ps(scale, _mm256_cvtepi32_ps(acc[k]), sum[k]);
             }
         }
-        black_box(acc);
+        black_box((acc, sum));
     }
     start.elapsed()
 }

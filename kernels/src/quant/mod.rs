@@ -178,9 +178,9 @@ impl Batched {
     /// the x86 tiers; arm64, whose speed nothing here measures, keeps one row at a time.
     fn dot2(self, features: cpu::Features) -> Option<Dot2> {
         #[cfg(target_arch = "x86_64")]
-        match (self, features.avx512_vnni()) {
-            (_, Some(cpu)) => Some(avx512::dot2(cpu, self)),
-            (_, None) => avx2::best_dot2(features, self),
+        match features.avx512_vnni() {
+            Some(cpu) => Some(avx512::dot2(cpu, self)),
+            None => avx2::best_dot2(features, self),
         }
         #[cfg(not(target_arch = "x86_64"))]
         {
@@ -974,25 +974,22 @@ type PackedTile = fn([&[u8]; 4], &[QuantizedRow], &mut [[f32; 4]]);
 /// A weight row against an activation row.
 type Dot = fn(&[u8], &QuantizedRow) -> f32;
 
-/// The Q5_0 (`signed`) or Q5_1 dot product on the best tier `features` has.
+/// The Q5_0 (`signed`) or Q5_1 dot product on the best x86 tier `features` has, else the
+/// portable one ([`Batched::dot`] has already asked NEON).
 fn q5_dot(features: cpu::Features, signed: bool) -> Dot {
-    let format = if signed { Batched::Q5_0 } else { Batched::Q5_1 };
     #[cfg(target_arch = "x86_64")]
     if let Some(cpu) = features.avx512_vnni() {
-        return avx512::dot(cpu, format);
+        return avx512::dot(cpu, if signed { Batched::Q5_0 } else { Batched::Q5_1 });
     }
     #[cfg(target_arch = "x86_64")]
     if let Some(dot) = avx2::best_dot_q5(features, signed) {
         return dot;
     }
-    #[cfg(target_arch = "aarch64")]
-    if let Some(dot) = neon::best_dot(features, format) {
-        return dot;
-    }
     let _ = features;
-    match format {
-        Batched::Q5_0 => q5::dot_q5_0,
-        _ => q5::dot_q5_1,
+    if signed {
+        q5::dot_q5_0
+    } else {
+        q5::dot_q5_1
     }
 }
 

@@ -120,17 +120,6 @@ const fn batched(f: u8) -> Batched {
     }
 }
 
-/// The `F` parameter naming `format`.
-const fn fmt(format: Batched) -> u8 {
-    match format {
-        Batched::Block(BlockFormat::Q4_0) => FMT_Q4_0,
-        Batched::Block(BlockFormat::Q4_1) => FMT_Q4_1,
-        Batched::Block(BlockFormat::Q8_0) => FMT_Q8_0,
-        Batched::Q5_0 => FMT_Q5_0,
-        Batched::Q5_1 => FMT_Q5_1,
-    }
-}
-
 /// Four GGUF weight rows of format `F` against `R` activation rows, two weight rows per
 /// 512-bit register (lanes 0..8 the first, 8..16 the second), unpacking each block
 /// straight from the GGUF bytes once for all `R` rows (no round trip through memory): the
@@ -372,24 +361,24 @@ fn rows2<const F: u8>(w: [&[u8]; 2], a: &QuantizedRow) -> [f32; 2] {
 /// The one-row dot product for `format`.
 pub(super) fn dot(cpu: Avx512Vnni, format: Batched) -> Dot {
     let _ = cpu;
-    match fmt(format) {
-        FMT_Q4_1 => row::<FMT_Q4_1>,
-        FMT_Q4_0 => row::<FMT_Q4_0>,
-        FMT_Q8_0 => row::<FMT_Q8_0>,
-        FMT_Q5_0 => row::<FMT_Q5_0>,
-        _ => row::<FMT_Q5_1>,
+    match format {
+        Batched::Block(BlockFormat::Q4_1) => row::<FMT_Q4_1>,
+        Batched::Block(BlockFormat::Q4_0) => row::<FMT_Q4_0>,
+        Batched::Block(BlockFormat::Q8_0) => row::<FMT_Q8_0>,
+        Batched::Q5_0 => row::<FMT_Q5_0>,
+        Batched::Q5_1 => row::<FMT_Q5_1>,
     }
 }
 
 /// The two-row dot product for `format`.
 pub(super) fn dot2(cpu: Avx512Vnni, format: Batched) -> Dot2 {
     let _ = cpu;
-    match fmt(format) {
-        FMT_Q4_1 => rows2::<FMT_Q4_1>,
-        FMT_Q4_0 => rows2::<FMT_Q4_0>,
-        FMT_Q8_0 => rows2::<FMT_Q8_0>,
-        FMT_Q5_0 => rows2::<FMT_Q5_0>,
-        _ => rows2::<FMT_Q5_1>,
+    match format {
+        Batched::Block(BlockFormat::Q4_1) => rows2::<FMT_Q4_1>,
+        Batched::Block(BlockFormat::Q4_0) => rows2::<FMT_Q4_0>,
+        Batched::Block(BlockFormat::Q8_0) => rows2::<FMT_Q8_0>,
+        Batched::Q5_0 => rows2::<FMT_Q5_0>,
+        Batched::Q5_1 => rows2::<FMT_Q5_1>,
     }
 }
 
